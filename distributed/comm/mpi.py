@@ -1,0 +1,459 @@
+"""The ``mpi://`` transport: Dask comms whose messages travel over MPI.
+
+An ``mpi://HOST:PORT`` address is a TCP listener that is only used to meet.
+The two ends of a new comm exchange a short handshake over TCP, agree on an
+MPI channel between their processes (see ``distributed.comm.mpi_channel``)
+and on a tag for each direction, and from then on every message and frame
+moves over MPI, with non-blocking buffer sends and receives driven by the
+progress engine (see ``distributed.comm.mpi_progress``).
+
+The TCP connection stays open for the comm's lifetime as a liveness signal
+and a doorbell: it ends when the peer closes the comm or dies, and a sender
+writes a byte to it to wake a receiver whose progress engine sleeps.
+
+One Dask message is, on the sender's tag:
+
+- a head: flags (u8), three padding bytes, the number of frames (u32) and
+  each frame's size (u64); the frames follow inside the head when the whole
+  message fits in ``distributed.comm.mpi.inline-size``;
+- otherwise one MPI message per ``chunk-size`` piece of each non-empty frame.
+
+A head with the CLOSE flag ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import weakref
+from time import monotonic
+
+import dask
+from dask.utils import parse_bytes, parse_timedelta
+from tornado.iostream import StreamClosedError
+
+from distributed.comm import mpi_channel
+from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
+from distributed.comm.mpi_channel import ACCEPTOR, CONNECTOR, get_mpi
+from distributed.comm.mpi_progress import ProgressEngine
+from distributed.comm.tcp import (
+    BaseTCPBackend,
+    TCPConnector,
+    TCPListener,
+    convert_stream_closed_error,
+    set_tcp_timeout,
+)
+from distributed.comm.utils import from_frames, to_frames
+from distributed.protocol.utils import host_array
+from distributed.utils import ensure_memoryview, wait_for
+
+logger = logging.getLogger(__name__)
+
+_HEAD = struct.Struct("<BxxxI")
+_INLINE = 1
+_CLOSE = 2
+
+# Handshake messages on the TCP connection: magic, length, JSON
+_HANDSHAKE = struct.Struct("!8sI")
+_MAGIC = b"DASK-MPI"
+_PROTOCOL = 1
+_MAX_HANDSHAKE = 64 * 1024
+
+# Bytes on the TCP connection after the handshake
+_DOORBELL = b"\x01"
+_CLOSING = b"\x00"
+
+
+def _connect_timeout() -> float:
+    return parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+
+
+async def _send_handshake(stream, msg: dict) -> None:
+    body = json.dumps(msg).encode()
+    await stream.write(_HANDSHAKE.pack(_MAGIC, len(body)) + body)
+
+
+async def _recv_handshake(stream) -> dict:
+    magic, size = _HANDSHAKE.unpack(await stream.read_bytes(_HANDSHAKE.size))
+    if magic != _MAGIC or size > _MAX_HANDSHAKE:
+        raise ValueError("not an mpi:// handshake")
+    msg = json.loads(await stream.read_bytes(size))
+    if not isinstance(msg, dict):
+        raise ValueError("not an mpi:// handshake")
+    return msg
+
+
+def _hello() -> dict:
+    return {
+        "protocol": _PROTOCOL,
+        "process": mpi_channel.process_id(),
+        "library": mpi_channel.library(),
+    }
+
+
+def _incompatibility(peer: dict) -> str | None:
+    """Why a peer with this hello cannot talk to us over MPI, if it cannot"""
+    if peer.get("protocol") != _PROTOCOL:
+        return (
+            f"peer speaks mpi:// protocol {peer.get('protocol')!r}, this process "
+            f"{_PROTOCOL}: use the same version of distributed everywhere"
+        )
+    if peer.get("library") != mpi_channel.library():
+        return (
+            f"peer uses MPI library {peer.get('library')!r}, this process "
+            f"{mpi_channel.library()!r}: all processes of a cluster on mpi:// "
+            "must use the same MPI library"
+        )
+    if not isinstance(peer.get("process"), str):
+        return "peer did not say which process it is"
+    return None
+
+
+def _chunks(frame: memoryview, size: int) -> list[memoryview]:
+    return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
+
+
+class MPI(Comm):
+    """A comm whose messages travel over an MPI channel"""
+
+    def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
+        super().__init__(deserialize=deserialize)
+        self.stream = stream
+        self._local_addr = local_addr
+        self._peer_addr = peer_addr
+        config = dask.config.get("distributed.comm.mpi")
+        self._inline_size = parse_bytes(config["inline-size"])
+        # Open MPI 5 has no large-count calls: keep each message below 2 GiB
+        self._chunk_size = min(parse_bytes(config["chunk-size"]), 2**31 - 1)
+        # A woken engine polls for idle-after: ring at least twice as often
+        self._ring_interval = parse_timedelta(config["idle-after"]) / 2
+        self._rung = float("-inf")
+        self._channel: mpi_channel.Channel | None = None
+        self._engine: ProgressEngine | None = None
+        self._send_tag = self._recv_tag = -1
+        self._closed = False  # no more writes: closed here, or by the peer
+        self._reads_over = False  # no more reads: the stream has ended
+        self._reads: set = set()  # engine futures of reads in progress
+        self._writes: set = set()  # ... and of writes
+        self._finalizer = weakref.finalize(self, stream.close)
+        self._finalizer.atexit = False
+        stream.set_nodelay(True)
+        set_tcp_timeout(stream)
+
+    @property
+    def local_address(self) -> str:
+        return self._local_addr
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_addr
+
+    @property
+    def extra_info(self):
+        return {}
+
+    def closed(self) -> bool:
+        return self._closed
+
+    # Setting up
+
+    async def _accept(self) -> None:
+        """The listening end of the handshake"""
+        stream = self.stream
+        peer = await _recv_handshake(stream)
+        problem = _incompatibility(peer)
+        if problem:
+            await _send_handshake(stream, {"error": problem})
+            raise ValueError(problem)
+        channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
+        port = None
+        if channel is None:
+            channel = mpi_channel.new_channel(peer["process"], ACCEPTOR)
+            port = mpi_channel.open_port()
+        tag = channel.allocate_tags()
+        reply = {**_hello(), "channel": channel.id, "tag": tag, "port": port}
+        await _send_handshake(stream, reply)
+        if port is not None:
+            await channel.accept(port)
+        self._start(channel, recv_tag=tag, send_tag=tag + 1)
+
+    async def _connect(self) -> None:
+        """The connecting end of the handshake"""
+        stream = self.stream
+        known = mpi_channel.channel_for_address(self._peer_addr)
+        await _send_handshake(stream, {**_hello(), "channel": known and known.id})
+        reply = await _recv_handshake(stream)
+        problem = reply.get("error") or _incompatibility(reply)
+        if problem:
+            raise FatalCommClosedError(f"Cannot connect to {self._peer_addr}: {problem}")
+        peer = reply["process"]
+        if reply["port"] is None:
+            channel = mpi_channel.find_channel(reply["channel"], peer)
+            if channel is None:
+                raise FatalCommClosedError(
+                    f"{self._peer_addr} proposed an unknown MPI channel"
+                )
+        else:
+            channel = mpi_channel.new_channel(peer, CONNECTOR, reply["channel"])
+            try:
+                await channel.connect(reply["port"], _connect_timeout())
+            except get_mpi().Exception as e:
+                raise FatalCommClosedError(
+                    f"MPI could not connect to {self._peer_addr}: {e}. The MPI "
+                    "library must be able to connect processes that were started "
+                    "separately (MPICH can; Open MPI 5 only ranks of one mpiexec "
+                    "job); see the mpi:// documentation."
+                ) from e
+        mpi_channel.remember_address(self._peer_addr, channel)
+        tag = reply["tag"]
+        self._start(channel, recv_tag=tag + 1, send_tag=tag)
+
+    def _start(self, channel, recv_tag: int, send_tag: int) -> None:
+        self._channel = channel
+        self._recv_tag = recv_tag
+        self._send_tag = send_tag
+        self._engine = ProgressEngine.current()
+        self._watcher = asyncio.ensure_future(self._watch_peer())
+
+    async def _watch_peer(self) -> None:
+        """Follow the TCP connection: a doorbell wakes the progress engine,
+        its end means the peer closed the comm or is gone"""
+        stream = self.stream
+        graceful = False
+        try:
+            while True:
+                data = await stream.read_bytes(4096, partial=True)
+                graceful = graceful or _CLOSING in data
+                self._engine.wake()
+        except StreamClosedError:
+            pass
+        if self._reads_over:
+            return  # closed here
+        # Whatever the peer still had in flight will never be received
+        self._closed = True
+        self._fail(self._writes, "peer closed the connection")
+        if not graceful:
+            self.abort()
+            return
+        # Reads go on until the CLOSE head, sent before the TCP connection
+        # was closed; should it never come, give up after a while.
+        asyncio.get_running_loop().call_later(_connect_timeout(), self.abort)
+
+    # Reading and writing
+
+    async def read(self, deserializers=None):
+        if self._reads_over:
+            raise CommClosedError(f"{self} is closed")
+        channel, engine = self._channel, self._engine
+        try:
+            message, nbytes = await self._await(
+                self._reads, engine.probe(channel.comm, channel.rank, self._recv_tag)
+            )
+            head = bytearray(nbytes)
+            request = message.Irecv([head, get_mpi().BYTE])
+            await self._await(self._reads, engine.transfer([request], head))
+
+            flags, nframes = _HEAD.unpack_from(head)
+            sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
+            if flags & _CLOSE:
+                self._reads_over = self._closed = True
+                self.abort()
+                raise CommClosedError(f"{self} closed by peer")
+            if flags & _INLINE:
+                view = memoryview(head)
+                offset = _HEAD.size + 8 * nframes
+                frames = []
+                for size in sizes:
+                    frames.append(view[offset : offset + size])
+                    offset += size
+            else:
+                frames = [host_array(size) for size in sizes]
+                requests = [
+                    channel.comm.Irecv(
+                        [chunk, get_mpi().BYTE], channel.rank, self._recv_tag
+                    )
+                    for frame in frames
+                    for chunk in _chunks(frame, self._chunk_size)
+                ]
+                await self._await(self._reads, engine.transfer(requests, frames))
+        except CommClosedError:
+            raise
+        except get_mpi().Exception as e:
+            self.abort()
+            raise CommClosedError(f"{self}: MPI error while reading: {e}") from e
+        except BaseException:
+            # Cancelled half-way: the stream's position is unknown
+            self.abort()
+            raise
+
+        try:
+            return await from_frames(
+                frames,
+                deserialize=self.deserialize,
+                deserializers=deserializers,
+                allow_offload=self.allow_offload,
+            )
+        except EOFError:
+            self.abort()
+            raise CommClosedError("aborted stream on truncated data")
+
+    async def write(self, msg, serializers=None, on_error="message"):
+        if self._closed:
+            raise CommClosedError(f"{self} is closed")
+        frames = await to_frames(
+            msg,
+            allow_offload=self.allow_offload,
+            serializers=serializers,
+            on_error=on_error,
+            context={
+                "sender": self.local_info,
+                "recipient": self.remote_info,
+                **self.handshake_options,
+            },
+        )
+        frames = [ensure_memoryview(frame) for frame in frames]
+        sizes = [frame.nbytes for frame in frames]
+        nbytes = sum(sizes)
+        head = [_HEAD.pack(0, len(frames)), struct.pack(f"<{len(sizes)}Q", *sizes)]
+        if _HEAD.size + 8 * len(sizes) + nbytes <= self._inline_size:
+            head[0] = _HEAD.pack(_INLINE, len(frames))
+            head.extend(frames)
+            frames = []
+        if self._closed:
+            raise CommClosedError(f"{self} is closed")
+
+        channel, MPI = self._channel, get_mpi()
+        try:
+            head = b"".join(head)
+            requests = [
+                channel.comm.Isend([head, MPI.BYTE], channel.rank, self._send_tag)
+            ]
+            requests.extend(
+                channel.comm.Isend([chunk, MPI.BYTE], channel.rank, self._send_tag)
+                for frame in frames
+                for chunk in _chunks(frame, self._chunk_size)
+            )
+        except MPI.Exception as e:
+            self.abort()
+            raise CommClosedError(f"{self}: MPI error while writing: {e}") from e
+        # Like a TCP comm's write, return once the message is queued: waiting
+        # until MPI completed the sends would deadlock two ends that both
+        # write before they read.  The engine keeps the frames alive.
+        sent = self._engine.transfer(requests, (head, frames))
+        if not sent.done():
+            self._writes.add(sent)
+            sent.add_done_callback(self._sent)
+        self._ring()
+        return nbytes
+
+    def _sent(self, fut) -> None:
+        self._writes.discard(fut)
+        if not self._closed and fut.exception() is not None:
+            self.abort()  # MPI failed to send: the stream is broken
+
+    async def _await(self, pending: set, fut):
+        pending.add(fut)
+        try:
+            return await fut
+        finally:
+            pending.discard(fut)
+
+    def _ring(self) -> None:
+        """Wake the peer's progress engine, unless it was woken recently"""
+        now = monotonic()
+        if now - self._rung > self._ring_interval:
+            self._rung = now
+            try:
+                self.stream.write(_DOORBELL)
+            except StreamClosedError:
+                pass
+
+    # Closing
+
+    def _fail(self, pending: set, reason: str) -> None:
+        for fut in list(pending):
+            self._engine.cancel(fut, CommClosedError(f"{self}: {reason}"))
+
+    async def close(self):
+        """Close after the messages written so far: the peer reads them,
+        then ``CommClosedError``"""
+        stream, self.stream = self.stream, None
+        was_open = not self._closed
+        self._closed = self._reads_over = True
+        if self._engine is not None:
+            self._fail(self._reads, "closed")
+        if stream is None or stream.closed():
+            return
+        try:
+            if was_open and self._channel is not None:
+                head = _HEAD.pack(_CLOSE, 0)
+                channel = self._channel
+                request = channel.comm.Isend(
+                    [head, get_mpi().BYTE], channel.rank, self._send_tag
+                )
+                self._engine.transfer([request], head)
+                await stream.write(_CLOSING)
+        except (StreamClosedError, get_mpi().Exception):
+            pass
+        finally:
+            self._finalizer.detach()
+            stream.close()
+
+    def abort(self) -> None:
+        """Close now, dropping messages in flight"""
+        stream, self.stream = self.stream, None
+        self._closed = self._reads_over = True
+        if self._engine is not None:
+            self._fail(self._reads | self._writes, "aborted")
+        if stream is not None and not stream.closed():
+            self._finalizer.detach()
+            stream.close()
+
+
+class MPIConnector(TCPConnector):
+    prefix = "mpi://"
+    comm_class = MPI
+
+    async def connect(self, address, deserialize=True, **connection_args):
+        get_mpi()  # MPI starts with the first mpi:// connection or listener
+        comm = await super().connect(address, deserialize, **connection_args)
+        try:
+            await comm._connect()
+        except StreamClosedError as e:
+            comm.abort()
+            convert_stream_closed_error(self, e)
+        except BaseException:
+            comm.abort()
+            raise
+        return comm
+
+
+class MPIListener(TCPListener):
+    prefix = "mpi://"
+    comm_class = MPI
+
+    async def start(self):
+        get_mpi()
+        await super().start()
+
+    async def on_connection(self, comm, handshake_overrides=None):
+        try:
+            await wait_for(comm._accept(), _connect_timeout())
+        except Exception as e:
+            # A bad peer fails alone: the listener goes on serving others
+            logger.warning(
+                "mpi:// listener at %s: connection from %s failed: %s",
+                self.contact_address,
+                comm.peer_address,
+                e or type(e).__name__,
+            )
+            comm.abort()
+            raise CommClosedError(f"MPI handshake failed: {e}") from e
+        await super().on_connection(comm, handshake_overrides)
+
+
+class MPIBackend(BaseTCPBackend):
+    _connector_class = MPIConnector
+    _listener_class = MPIListener

@@ -1,0 +1,206 @@
+"""MPI channels: one MPI communicator per pair of processes.
+
+Two processes get a channel the first time one connects to the other, with
+``MPI_Comm_accept``/``MPI_Comm_connect`` over ``MPI_COMM_SELF``.  That works
+between ranks of one ``mpiexec`` job and between separately launched jobs,
+needs no collective call over all ranks and costs nothing at start-up.  Every
+later comm between the same two processes, in either direction, reuses the
+channel; comms are kept apart by tags.  A process talks to itself over a
+duplicate of ``MPI_COMM_SELF``.
+
+MPI is initialised by :func:`get_mpi`, on first use of an ``mpi://`` address,
+never on ``import distributed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+_MPI: Any = None
+_process: tuple[int, str] | None = None
+_lock = threading.Lock()
+_channels: dict[str, Channel] = {}  # by channel id
+_latest: dict[str, Channel] = {}  # by peer process
+_addresses: dict[str, str] = {}  # peer process by listening address
+
+# Which end of MPI_Comm_accept/connect a process was; each end allocates tags
+# from its own half of the tag space, so both can add comms to one channel.
+ACCEPTOR, CONNECTOR = 0, 1
+
+
+def get_mpi():
+    """The ``mpi4py.MPI`` module, initialising MPI on first call"""
+    global _MPI
+    if _MPI is None:
+        try:
+            import mpi4py
+        except ImportError as e:
+            raise ImportError(
+                "The mpi:// transport needs mpi4py and an MPI library: "
+                "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
+            ) from e
+        # Channels are set up by blocking calls in helper threads
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
+                f"initialised with thread level {MPI.Query_thread()}. Do not "
+                "initialise MPI with a lower thread level before using mpi://."
+            )
+        _MPI = MPI
+    return _MPI
+
+
+def process_id() -> str:
+    """A name for this process, unique across hosts, jobs and forks"""
+    global _process
+    if _process is None or _process[0] != os.getpid():
+        pid = os.getpid()
+        _process = (pid, f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}")
+    return _process[1]
+
+
+def library() -> str:
+    """The MPI library and version; peers must agree on it"""
+    name, version = get_mpi().get_vendor()
+    return f"{name} {'.'.join(map(str, version))}"
+
+
+class Channel:
+    """An MPI communicator between this process and one peer process"""
+
+    def __init__(self, id: str, peer: str, role: int, comm=None, rank: int = 0):
+        self.id = id
+        self.peer = peer  # process_id() of the peer
+        self.role = role
+        self.comm = comm  # None until MPI_Comm_accept/connect returned
+        self.rank = rank  # the peer's rank in comm
+        self._next = 0
+        MPI = get_mpi()
+        self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
+
+    def allocate_tags(self) -> int:
+        """A base tag for a new comm: the listening end receives on ``base``
+        and sends on ``base + 1``"""
+        with _lock:
+            n, self._next = self._next, (self._next + 1) % self._ntags
+        return 4 * n + 2 * self.role
+
+    async def accept(self, port: str) -> None:
+        def accept():
+            MPI = get_mpi()
+            try:
+                self.comm = MPI.COMM_SELF.Accept(port)
+            finally:
+                MPI.Close_port(port)
+            _register(self)
+
+        await _in_thread(accept)
+
+    async def connect(self, port: str, timeout: float) -> None:
+        def connect():
+            MPI = get_mpi()
+            info = MPI.Info.Create()
+            info.Set("timeout", str(max(1, round(timeout))))  # honoured by MPICH
+            try:
+                self.comm = MPI.COMM_SELF.Connect(port, info)
+            finally:
+                info.Free()
+            _register(self)
+
+        await _in_thread(connect)
+
+    def __repr__(self):
+        return f"<Channel {self.id} to {self.peer}>"
+
+
+def _register(channel: Channel) -> None:
+    with _lock:
+        _channels[channel.id] = channel
+        _latest[channel.peer] = channel
+
+
+def self_channel() -> Channel:
+    """The channel of this process to itself"""
+    me = process_id()
+    try:
+        return _channels[me]
+    except KeyError:
+        channel = Channel(me, me, ACCEPTOR, get_mpi().COMM_SELF.Dup())
+        _register(channel)
+        return channel
+
+
+def channel_to(peer: str) -> Channel | None:
+    """The most recent channel to process ``peer``, if there is one"""
+    if peer == process_id():
+        return self_channel()
+    return _latest.get(peer)
+
+
+def channel_for_address(address: str) -> Channel | None:
+    """The channel last used to reach the listener at ``address``"""
+    peer = _addresses.get(address)
+    return peer and channel_to(peer)
+
+
+def remember_address(address: str, channel: Channel) -> None:
+    _addresses[address] = channel.peer
+
+
+def find_channel(id: str | None, peer: str) -> Channel | None:
+    """The channel ``id`` if it leads to process ``peer``"""
+    channel = _channels.get(id) if id else None
+    if channel is None and peer == process_id():
+        channel = self_channel()
+    if channel is not None and channel.peer == peer:
+        return channel
+    return None
+
+
+def new_channel(peer: str, role: int, id: str | None = None) -> Channel:
+    return Channel(id or uuid.uuid4().hex, peer, role)
+
+
+def open_port() -> str:
+    return get_mpi().Open_port()
+
+
+async def _in_thread(fn) -> None:
+    """Run a blocking MPI call in a daemon thread.
+
+    Unlike an executor, the call runs to completion even if the awaiting
+    coroutine is cancelled, so the peer's matching call is never left alone
+    once both sides agreed to make it.
+    """
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def done(exc):
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def run():
+        exc = None
+        try:
+            fn()
+        except BaseException as e:
+            exc = e
+        try:
+            loop.call_soon_threadsafe(done, exc)
+        except RuntimeError:
+            pass  # the event loop is gone
+
+    threading.Thread(target=run, name="MPI-channel", daemon=True).start()
+    await fut

@@ -1,0 +1,177 @@
+"""Drive outstanding MPI operations from the asyncio event loop.
+
+MPI only moves data when a process calls into it, so someone has to test the
+outstanding requests.  One :class:`ProgressEngine` per event loop does so
+cooperatively, in short callbacks between the loop's other work (the MPI4Dask
+idea of ``Test()`` plus ``await asyncio.sleep(0)``), instead of a thread that
+would compete for the GIL.
+
+Polling costs CPU, so the engine adapts:
+
+- right after any progress it polls on every loop iteration for
+  ``busy-poll-time``, which keeps ping-pong latency low;
+- then it backs off exponentially, up to ``poll-interval`` between polls;
+- once only probes for new messages are left (no data in flight) and nothing
+  happened for ``idle-after``, it stops polling altogether.  A sender rings a
+  doorbell on the comm's TCP connection (see ``distributed.comm.mpi``) which
+  calls :meth:`ProgressEngine.wake`, so an idle process uses no CPU.
+
+``progress-mode: busy`` never stops polling, as MPI4Dask did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any, ClassVar
+
+import dask
+from dask.utils import parse_timedelta
+
+from distributed.comm.core import CommClosedError
+from distributed.comm.mpi_channel import get_mpi
+
+
+class ProgressEngine:
+    """Tests the MPI requests and matched probes of one event loop"""
+
+    _engines: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def current(cls) -> ProgressEngine:
+        loop = asyncio.get_running_loop()
+        try:
+            return cls._engines[loop]
+        except KeyError:
+            engine = cls._engines[loop] = cls(loop)
+            return engine
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        config = dask.config.get("distributed.comm.mpi")
+        self.busy = config["progress-mode"] == "busy"
+        self.busy_poll_time = parse_timedelta(config["busy-poll-time"])
+        self.poll_interval = parse_timedelta(config["poll-interval"])
+        self.idle_after = parse_timedelta(config["idle-after"])
+        self._MPI = get_mpi()
+        self._loop = loop
+        # future -> (requests, objects that must stay alive until they complete)
+        self._transfers: dict[asyncio.Future, tuple[list, Any]] = {}
+        # future -> (communicator, source, tag)
+        self._probes: dict[asyncio.Future, tuple[Any, int, int]] = {}
+        # requests of cancelled transfers: MPI may still touch their buffers
+        self._orphans: list[tuple[list, Any]] = []
+        self._handle: asyncio.Handle | None = None
+        self._last_progress = loop.time()
+        self._delay = 0.0
+
+    def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
+        """A future that is done when all ``requests`` have completed.
+
+        ``keepalive`` (the buffers of the requests) is referenced until then.
+        """
+        fut = self._loop.create_future()
+        if self._MPI.Request.Testall(requests):
+            fut.set_result(None)
+        else:
+            self._transfers[fut] = (requests, keepalive)
+            self.wake()
+        return fut
+
+    def probe(self, comm, source: int, tag: int) -> asyncio.Future:
+        """A future for ``(message, nbytes)``: the next message matching
+        ``source`` and ``tag`` on ``comm``, removed from MPI's matching queue"""
+        fut = self._loop.create_future()
+        self._probes[fut] = (comm, source, tag)
+        self.wake()
+        return fut
+
+    def cancel(self, fut: asyncio.Future, exc: BaseException) -> None:
+        """Abandon a transfer or probe, failing it with ``exc``: cancel its
+        requests, and keep their buffers until MPI is done with them"""
+        self._probes.pop(fut, None)
+        entry = self._transfers.pop(fut, None)
+        if entry is not None:
+            for request in entry[0]:
+                try:
+                    request.Cancel()
+                except self._MPI.Exception:
+                    pass  # completed already, or not cancellable
+            self._orphans.append(entry)
+        if not fut.done():
+            fut.set_exception(exc)
+
+    def wake(self) -> None:
+        """Poll soon: something was posted, or a peer rang the doorbell"""
+        self._last_progress = self._loop.time()
+        self._delay = 0.0
+        if isinstance(self._handle, asyncio.TimerHandle):
+            self._handle.cancel()
+            self._handle = None
+        if self._handle is None and not self._loop.is_closed():
+            self._handle = self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        self._handle = None
+        progressed = self._test_transfers() | self._test_probes()
+        if self._orphans:
+            self._orphans = [
+                o for o in self._orphans if not self._test_quietly(o[0])
+            ]
+
+        now = self._loop.time()
+        if progressed:
+            self._last_progress = now
+            self._delay = 0.0
+        if not self._transfers and not self._probes:
+            return
+        quiet = now - self._last_progress
+        if self.busy or quiet < self.busy_poll_time:
+            self._handle = self._loop.call_soon(self._poll)
+        elif self._transfers or quiet < self.idle_after:
+            self._delay = min(max(2 * self._delay, 1e-5), self.poll_interval)
+            self._handle = self._loop.call_later(self._delay, self._poll)
+        # else: only waiting for new messages, and idle: sleep until woken
+
+    def _test_transfers(self) -> bool:
+        progressed = False
+        for fut, (requests, _) in list(self._transfers.items()):
+            try:
+                done = self._MPI.Request.Testall(requests)
+            except self._MPI.Exception as e:
+                del self._transfers[fut]
+                if not fut.done():
+                    fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+                progressed = True
+                continue
+            if done:
+                del self._transfers[fut]
+                if not fut.done():
+                    fut.set_result(None)
+                progressed = True
+        return progressed
+
+    def _test_probes(self) -> bool:
+        progressed = False
+        for fut, (comm, source, tag) in list(self._probes.items()):
+            if fut.cancelled():
+                # Nobody wants the message any more: leave it in MPI's queue
+                del self._probes[fut]
+                continue
+            status = self._MPI.Status()
+            try:
+                message = comm.Improbe(source, tag, status)
+            except self._MPI.Exception as e:
+                del self._probes[fut]
+                fut.set_exception(CommClosedError(f"MPI probe failed: {e}"))
+                continue
+            if message is not None:
+                del self._probes[fut]
+                fut.set_result((message, status.Get_count(self._MPI.BYTE)))
+                progressed = True
+        return progressed
+
+    def _test_quietly(self, requests: list) -> bool:
+        try:
+            return self._MPI.Request.Testall(requests)
+        except self._MPI.Exception:
+            return True
