@@ -27,7 +27,9 @@ meta = project["project"]
 
 # Upstream ships every file of its sdist's package (MANIFEST.in and
 # include_package_data); its files here are not tracked, so name them.
-package_data = {k: list(v) for k, v in project["tool"]["setuptools"]["package-data"].items()}
+package_data = {
+    k: list(v) for k, v in project["tool"]["setuptools"]["package-data"].items()
+}
 package_data["distributed"] += [
     path.removeprefix("distributed/")
     for path in upstream.upstream_package(config)
@@ -48,6 +50,8 @@ setup(
         group: [f"{name} = {target}" for name, target in points.items()]
         for group, points in meta["entry-points"].items()
     },
-    packages=find_packages(include=["distributed", "distributed.*"], exclude=["*tests*"]),
+    packages=find_packages(
+        include=["distributed", "distributed.*"], exclude=["*tests*"]
+    ),
     package_data=package_data,
 )

@@ -163,8 +163,9 @@ def apply_patch(patch: Path, files: dict[str, bytes]) -> None:
     """Apply a unified diff to ``files`` in place.
 
     Strict: every context and removed line must match exactly (no fuzz, no
-    whitespace leniency). A hunk may apply a few lines away from the line number in
-    its header, as when upstream adds lines above it, but never out of order.
+    whitespace leniency). A hunk applies where its lines match nearest to the line
+    number in its header (which upstream's own changes may have moved), after the
+    hunk before it.
     A patch may delete an upstream file (``+++ /dev/null``), not create one: new
     files are this project's own and are tracked as they are.
     """
@@ -246,8 +247,7 @@ def make_patch(path: str, old: bytes, new: bytes | None) -> str:
     )
     # difflib leaves a line without "\n" as it is: mark it as patch(1) does
     return "".join(
-        d if d.endswith("\n") else d + "\n\\ No newline at end of file\n"
-        for d in diff
+        d if d.endswith("\n") else d + "\n\\ No newline at end of file\n" for d in diff
     )
 
 
@@ -293,9 +293,7 @@ def stamp(root: Path, config: Config) -> str:
 def is_current(root: Path, config: Config) -> bool:
     """Whether the tree was materialized from the current pin, patches and version."""
     stamp_file = root / PACKAGE / STAMP
-    return stamp_file.exists() and stamp_file.read_text().strip() == stamp(
-        root, config
-    )
+    return stamp_file.exists() and stamp_file.read_text().strip() == stamp(root, config)
 
 
 def tracked(root: Path) -> set[str]:
@@ -328,15 +326,12 @@ def materialize(root: Path = ROOT, force: bool = False) -> bool:
         )
     package = root / PACKAGE
     ignore = package / ".gitignore"
-    # Upstream files of the release materialized before, gone from this one
-    if ignore.exists():
-        before = {
-            f"{PACKAGE}{line.strip()}"
-            for line in ignore.read_text().splitlines()
-            if line.startswith("/")
-        }
-        for path in before - upstream - ours:
-            (root / path).unlink(missing_ok=True)
+    n = len(PACKAGE)
+    ignored = [*sorted(p[n:] for p in upstream), "/.gitignore", f"/{STAMP}"]
+    if ignore.exists():  # remove files of the release materialized before, if gone
+        before = {line for line in ignore.read_text().splitlines() if line[:1] == "/"}
+        for gone in before - set(ignored) - {p[n:] for p in ours}:
+            (package / gone[1:]).unlink(missing_ok=True)
     for path in upstream:
         target = root / path
         if path in files:
@@ -344,8 +339,6 @@ def materialize(root: Path = ROOT, force: bool = False) -> bool:
             target.write_bytes(files[path])
         else:  # deleted by a patch
             target.unlink(missing_ok=True)
-    n = len(PACKAGE)
-    ignored = sorted(p[n:] for p in upstream) + ["/.gitignore", f"/{STAMP}"]
     ignore.write_text(
         "# Written by continuous_integration/upstream.py: upstream's files, which "
         "this project\n# does not track (its changes to them are in patches/).\n"
