@@ -85,17 +85,15 @@ async def test_client_server_round_trips():
             tuple(range(1000)),  # msgpack gives lists back as tuples
             {"data": b"y" * 70_000},  # larger than inline-size
             {"nested": ({"a": (1, 2.5)}, None, True)},
-            to_serialize(np.arange(10)),
-            {"x": to_serialize(np.random.random(1_000_000)), "y": 1},
-            {"empty": to_serialize(np.empty(0))},
         ]
         for msg in messages:
-            nbytes = await comm.write(msg)
-            assert nbytes > 0
+            assert await comm.write(msg) > 0
+            assert await comm.read() == msg
+        for array in [np.arange(10), np.random.random(1_000_000), np.empty(0)]:
+            await comm.write({"x": to_serialize(array), "y": 1})
             got = await comm.read()
-            if isinstance(msg, Serialized) or "x" in getattr(msg, "keys", list)():
-                continue
-            assert got == msg
+            assert got["y"] == 1
+            np.testing.assert_array_equal(got["x"], array)
         await comm.write({"x": to_serialize(np.arange(2_000_000))})
         got = await comm.read()
         np.testing.assert_array_equal(got["x"], np.arange(2_000_000))
