@@ -1,0 +1,70 @@
+"""Start processes under ``mpiexec`` for tests, and always clean them up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+
+def mpiexec_command() -> str:
+    """The mpiexec of the MPI library next to this Python, else on PATH"""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec") or "mpiexec"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    # Children must find the same MPI and this checkout of distributed
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Job(subprocess.Popen):
+    """An mpiexec job in its own process group"""
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait(30)
+
+
+@contextlib.contextmanager
+def mpiexec(args: list[str], **kwargs):
+    """Run ``mpiexec <args>`` with this Python; kill the whole job on exit"""
+    if args[-1:] and "-m" in args:
+        i = args.index("-m")
+        args = args[:i] + [sys.executable] + args[i:]
+    proc = Job(
+        [mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill_all()
+
+
+def run_mpiexec(args: list[str], timeout: float = 120) -> str:
+    with mpiexec(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        out, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, out
+        return out
+
+
+def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before writing {path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} not written within {timeout}s")
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read()

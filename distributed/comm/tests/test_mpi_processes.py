@@ -1,0 +1,90 @@
+"""mpi:// between processes: peers started by ``mpiexec``, this test process
+connecting to them as an MPI singleton, or separate ``mpiexec`` jobs talking
+to each other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("mpi4py")
+np = pytest.importorskip("numpy")
+
+from distributed.comm import CommClosedError, connect
+from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
+from distributed.protocol import to_serialize
+from distributed.utils_test import gen_test
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = str(tmp_path / "address")
+    with mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]) as proc:
+        yield wait_for_file(path, proc), proc
+
+
+@gen_test(timeout=120)
+async def test_round_trips_with_an_mpiexec_process(server):
+    address, _ = server
+    comm = await connect(address)
+    for msg in [{"op": "ping"}, b"x" * 100_000, tuple(range(100))]:
+        await comm.write(msg)
+        assert await comm.read() == msg
+    for size in [0, 1, 1000, 10_000_000]:
+        array = np.random.randint(0, 100, size)
+        await comm.write({"x": to_serialize(array)})
+        np.testing.assert_array_equal((await comm.read())["x"], array)
+    await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_concurrent_comms_between_two_processes_do_not_cross(server):
+    address, _ = server
+    comms = await asyncio.gather(*(connect(address) for _ in range(16)))
+
+    async def talk(i, comm):
+        for j in range(10):
+            array = np.full(1000 * i + j, i)
+            await comm.write({"i": i, "j": j, "x": to_serialize(array)})
+            got = await comm.read()
+            assert (got["i"], got["j"]) == (i, j)
+            np.testing.assert_array_equal(got["x"], array)
+
+    await asyncio.gather(*(talk(i, c) for i, c in enumerate(comms)))
+    await asyncio.gather(*(c.close() for c in comms))
+
+
+@gen_test(timeout=120)
+async def test_killed_peer_fails_pending_read(server):
+    address, proc = server
+    comm = await connect(address)
+    await comm.write("hello")
+    assert await comm.read() == "hello"
+    pending = asyncio.ensure_future(comm.read())
+    proc.kill_all()
+    with pytest.raises(CommClosedError):
+        await asyncio.wait_for(pending, 30)
+    with pytest.raises(CommClosedError):
+        await comm.write("anyone?")
+
+
+def test_separate_mpiexec_jobs(server):
+    address, _ = server
+    out = run_mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "ping", address])
+    assert "ping ok" in out
+
+
+@pytest.mark.slow
+@gen_test(timeout=600)
+async def test_frame_larger_than_2_gib(server):
+    address, _ = server
+    comm = await connect(address)
+    array = np.ones(2_500_000_000, dtype="u1")
+    array[-1] = 7
+    await comm.write({"op": "sum", "x": to_serialize(array)})
+    got = await comm.read()
+    assert got == {"sum": 2_500_000_006, "nbytes": 2_500_000_000}
+    await comm.close()
