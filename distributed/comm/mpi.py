@@ -177,6 +177,7 @@ class MPI(Comm):
         await _send_handshake(stream, reply)
         if port is not None:
             await channel.accept(port)
+        await channel.ready(_connect_timeout())
         self._start(channel, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
@@ -191,10 +192,11 @@ class MPI(Comm):
         peer = reply["process"]
         if reply["port"] is None:
             channel = mpi_channel.find_channel(reply["channel"], peer)
-            if channel is None:
+            if channel is None or channel.id != reply["channel"]:
                 raise FatalCommClosedError(
                     f"{self._peer_addr} proposed an unknown MPI channel"
                 )
+            await channel.ready(_connect_timeout())
         else:
             channel = mpi_channel.new_channel(peer, CONNECTOR, reply["channel"])
             try:

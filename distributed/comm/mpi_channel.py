@@ -18,6 +18,7 @@ import asyncio
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -76,15 +77,20 @@ def library() -> str:
 class Channel:
     """An MPI communicator between this process and one peer process"""
 
-    def __init__(self, id: str, peer: str, role: int, comm=None, rank: int = 0):
+    def __init__(self, id: str, peer: str, role: int, comm=None):
         self.id = id
         self.peer = peer  # process_id() of the peer
         self.role = role
         self.comm = comm  # None until MPI_Comm_accept/connect returned
-        self.rank = rank  # the peer's rank in comm
+        self.rank = 0  # the peer's rank in comm
+        self._ready = threading.Event()
         self._next = 0
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
+        with _lock:
+            _channels[id] = self
+        if comm is not None:
+            self._opened(comm)
 
     def allocate_tags(self) -> int:
         """A base tag for a new comm: the listening end receives on ``base``
@@ -97,12 +103,11 @@ class Channel:
         def accept():
             MPI = get_mpi()
             try:
-                self.comm = MPI.COMM_SELF.Accept(port)
+                return MPI.COMM_SELF.Accept(port)
             finally:
                 MPI.Close_port(port)
-            _register(self)
 
-        await _in_thread(accept)
+        await self._open(accept)
 
     async def connect(self, port: str, timeout: float) -> None:
         def connect():
@@ -110,45 +115,53 @@ class Channel:
             info = MPI.Info.Create()
             info.Set("timeout", str(max(1, round(timeout))))  # honoured by MPICH
             try:
-                self.comm = MPI.COMM_SELF.Connect(port, info)
+                return MPI.COMM_SELF.Connect(port, info)
             finally:
                 info.Free()
-            _register(self)
 
-        await _in_thread(connect)
+        await self._open(connect)
+
+    async def _open(self, make_comm) -> None:
+        def run():
+            try:
+                comm = make_comm()
+            except BaseException:
+                with _lock:
+                    _channels.pop(self.id, None)
+                raise
+            self._opened(comm)
+
+        await _in_thread(run)
+
+    def _opened(self, comm) -> None:
+        self.comm = comm
+        self._ready.set()
+        with _lock:
+            _latest[self.peer] = self
+
+    async def ready(self, timeout: float) -> None:
+        """Wait until the other end of the handshake has opened the channel
+        too (when both sides reuse a channel one of them just created)"""
+        deadline = time.monotonic() + timeout
+        while not self._ready.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self} was not opened within {timeout}s")
+            await asyncio.sleep(0.001)
 
     def __repr__(self):
         return f"<Channel {self.id} to {self.peer}>"
 
 
-def _register(channel: Channel) -> None:
-    with _lock:
-        _channels[channel.id] = channel
-        _latest[channel.peer] = channel
-
-
 def self_channel() -> Channel:
     """The channel of this process to itself"""
     me = process_id()
-    try:
-        return _channels[me]
-    except KeyError:
-        channel = Channel(me, me, ACCEPTOR, get_mpi().COMM_SELF.Dup())
-        _register(channel)
-        return channel
-
-
-def channel_to(peer: str) -> Channel | None:
-    """The most recent channel to process ``peer``, if there is one"""
-    if peer == process_id():
-        return self_channel()
-    return _latest.get(peer)
+    return _channels.get(me) or Channel(me, me, ACCEPTOR, get_mpi().COMM_SELF.Dup())
 
 
 def channel_for_address(address: str) -> Channel | None:
     """The channel last used to reach the listener at ``address``"""
     peer = _addresses.get(address)
-    return peer and channel_to(peer)
+    return peer and find_channel(None, peer)
 
 
 def remember_address(address: str, channel: Channel) -> None:
@@ -156,13 +169,13 @@ def remember_address(address: str, channel: Channel) -> None:
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:
-    """The channel ``id`` if it leads to process ``peer``"""
+    """The channel ``id``, else any open channel to process ``peer``"""
+    if peer == process_id():
+        return self_channel()
     channel = _channels.get(id) if id else None
-    if channel is None and peer == process_id():
-        channel = self_channel()
     if channel is not None and channel.peer == peer:
         return channel
-    return None
+    return _latest.get(peer)
 
 
 def new_channel(peer: str, role: int, id: str | None = None) -> Channel:
