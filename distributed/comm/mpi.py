@@ -36,7 +36,7 @@ from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_channel
 from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
-from distributed.comm.mpi_channel import ACCEPTOR, CONNECTOR, get_mpi
+from distributed.comm.mpi_channel import ACCEPTOR, get_mpi
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tcp import (
     BaseTCPBackend,
@@ -168,16 +168,14 @@ class MPI(Comm):
             await _send_handshake(stream, {"error": problem})
             raise ValueError(problem)
         channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
-        port = None
-        if channel is None:
-            channel = mpi_channel.new_channel(peer["process"], ACCEPTOR)
-            port = mpi_channel.open_port()
+        new = channel is None
+        if new:
+            channel = mpi_channel.new_channel(peer["process"])
         tag = channel.allocate_tags()
-        reply = {**_hello(), "channel": channel.id, "tag": tag, "port": port}
+        reply = {**_hello(), "channel": channel.id, "tag": tag, "new": new}
         await _send_handshake(stream, reply)
-        if port is not None:
-            await channel.accept(port)
-        await channel.ready(_connect_timeout())
+        if new:
+            await self._open(channel)
         self._start(channel, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
@@ -190,27 +188,46 @@ class MPI(Comm):
         if problem:
             raise FatalCommClosedError(f"Cannot connect to {self._peer_addr}: {problem}")
         peer = reply["process"]
-        if reply["port"] is None:
+        if reply["new"]:
+            channel = mpi_channel.new_channel(peer, reply["channel"])
+            await self._open(channel)
+        else:
             channel = mpi_channel.find_channel(reply["channel"], peer)
             if channel is None or channel.id != reply["channel"]:
                 raise FatalCommClosedError(
                     f"{self._peer_addr} proposed an unknown MPI channel"
                 )
-            await channel.ready(_connect_timeout())
-        else:
-            channel = mpi_channel.new_channel(peer, CONNECTOR, reply["channel"])
-            try:
-                await channel.connect(reply["port"], _connect_timeout())
-            except get_mpi().Exception as e:
-                raise FatalCommClosedError(
-                    f"MPI could not connect to {self._peer_addr}: {e}. The MPI "
-                    "library must be able to connect processes that were started "
-                    "separately (MPICH can; Open MPI 5 only ranks of one mpiexec "
-                    "job); see the mpi:// documentation."
-                ) from e
         mpi_channel.remember_address(self._peer_addr, channel)
         tag = reply["tag"]
         self._start(channel, recv_tag=tag + 1, send_tag=tag)
+
+    async def _open(self, channel) -> None:
+        """Open a new channel with the peer: the acceptor sends a port name,
+        the connector says it is connecting, then both block in MPI until
+        they meet (see ``distributed.comm.mpi_channel`` for why this order)"""
+        stream = self.stream
+        try:
+            if channel.role == ACCEPTOR:
+                port = mpi_channel.open_port()
+                try:
+                    await _send_handshake(stream, {"port": port})
+                    if (await _recv_handshake(stream)).get("connecting") is not True:
+                        raise ValueError("not an mpi:// handshake")
+                except BaseException:
+                    mpi_channel.close_port(port)
+                    raise
+                channel.accept(port)
+            else:
+                port = (await _recv_handshake(stream))["port"]
+                await _send_handshake(stream, {"connecting": True})
+                channel.connect(port, _connect_timeout())
+        except get_mpi().Exception as e:
+            raise FatalCommClosedError(
+                f"MPI could not connect to {self._peer_addr}: {e}. The MPI "
+                "library must be able to connect processes that were started "
+                "separately (MPICH can; Open MPI 5 only ranks of one mpiexec "
+                "job); see the mpi:// documentation."
+            ) from e
 
     def _start(self, channel, recv_tag: int, send_tag: int) -> None:
         self._channel = channel

@@ -8,17 +8,25 @@ later comm between the same two processes, in either direction, reuses the
 channel; comms are kept apart by tags.  A process talks to itself over a
 duplicate of ``MPI_COMM_SELF``.
 
+Accept and connect block, and MPICH holds its global lock while they wait, so
+a process in one can do no other MPI call: running them in helper threads
+would not help, and two processes accepting from each other would deadlock.
+Instead they run on the event loop, under two rules that rule out any cycle
+of processes waiting for each other:
+
+- of two processes, the one whose ``process_id()`` sorts first accepts;
+- the acceptor calls accept only once the connector has said, over TCP, that
+  it is calling connect right now (see ``distributed.comm.mpi``).
+
 MPI is initialised by :func:`get_mpi`, on first use of an ``mpi://`` address,
 never on ``import distributed``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -77,20 +85,15 @@ def library() -> str:
 class Channel:
     """An MPI communicator between this process and one peer process"""
 
-    def __init__(self, id: str, peer: str, role: int, comm=None):
+    def __init__(self, id: str, peer: str, role: int):
         self.id = id
         self.peer = peer  # process_id() of the peer
-        self.role = role
-        self.comm = comm  # None until MPI_Comm_accept/connect returned
+        self.role = role  # which end of accept/connect this process was
+        self.comm = None
         self.rank = 0  # the peer's rank in comm
-        self._ready = threading.Event()
         self._next = 0
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
-        with _lock:
-            _channels[id] = self
-        if comm is not None:
-            self._opened(comm)
 
     def allocate_tags(self) -> int:
         """A base tag for a new comm: the listening end receives on ``base``
@@ -99,54 +102,29 @@ class Channel:
             n, self._next = self._next, (self._next + 1) % self._ntags
         return 4 * n + 2 * self.role
 
-    async def accept(self, port: str) -> None:
-        def accept():
-            MPI = get_mpi()
-            try:
-                return MPI.COMM_SELF.Accept(port)
-            finally:
-                MPI.Close_port(port)
+    def accept(self, port: str) -> None:
+        """Open the channel; blocks until the peer connects to ``port``"""
+        MPI = get_mpi()
+        try:
+            self._opened(MPI.COMM_SELF.Accept(port))
+        finally:
+            MPI.Close_port(port)
 
-        await self._open(accept)
-
-    async def connect(self, port: str, timeout: float) -> None:
-        def connect():
-            MPI = get_mpi()
-            info = MPI.Info.Create()
-            info.Set("timeout", str(max(1, round(timeout))))  # honoured by MPICH
-            try:
-                return MPI.COMM_SELF.Connect(port, info)
-            finally:
-                info.Free()
-
-        await self._open(connect)
-
-    async def _open(self, make_comm) -> None:
-        def run():
-            try:
-                comm = make_comm()
-            except BaseException:
-                with _lock:
-                    _channels.pop(self.id, None)
-                raise
-            self._opened(comm)
-
-        await _in_thread(run)
+    def connect(self, port: str, timeout: float) -> None:
+        """Open the channel; blocks until the peer accepted, or ``timeout``"""
+        MPI = get_mpi()
+        info = MPI.Info.Create()
+        info.Set("timeout", str(max(1, round(timeout))))  # honoured by MPICH
+        try:
+            self._opened(MPI.COMM_SELF.Connect(port, info))
+        finally:
+            info.Free()
 
     def _opened(self, comm) -> None:
         self.comm = comm
-        self._ready.set()
         with _lock:
+            _channels[self.id] = self
             _latest[self.peer] = self
-
-    async def ready(self, timeout: float) -> None:
-        """Wait until the other end of the handshake has opened the channel
-        too (when both sides reuse a channel one of them just created)"""
-        deadline = time.monotonic() + timeout
-        while not self._ready.is_set():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self} was not opened within {timeout}s")
-            await asyncio.sleep(0.001)
 
     def __repr__(self):
         return f"<Channel {self.id} to {self.peer}>"
@@ -155,7 +133,11 @@ class Channel:
 def self_channel() -> Channel:
     """The channel of this process to itself"""
     me = process_id()
-    return _channels.get(me) or Channel(me, me, ACCEPTOR, get_mpi().COMM_SELF.Dup())
+    channel = _channels.get(me)
+    if channel is None:
+        channel = Channel(me, me, ACCEPTOR)
+        channel._opened(get_mpi().COMM_SELF.Dup())
+    return channel
 
 
 def channel_for_address(address: str) -> Channel | None:
@@ -178,7 +160,10 @@ def find_channel(id: str | None, peer: str) -> Channel | None:
     return _latest.get(peer)
 
 
-def new_channel(peer: str, role: int, id: str | None = None) -> Channel:
+def new_channel(peer: str, id: str | None = None) -> Channel:
+    """A channel to open to process ``peer``, which this process accepts
+    if its ``process_id()`` sorts first"""
+    role = ACCEPTOR if process_id() < peer else CONNECTOR
     return Channel(id or uuid.uuid4().hex, peer, role)
 
 
@@ -186,34 +171,5 @@ def open_port() -> str:
     return get_mpi().Open_port()
 
 
-async def _in_thread(fn) -> None:
-    """Run a blocking MPI call in a daemon thread.
-
-    Unlike an executor, the call runs to completion even if the awaiting
-    coroutine is cancelled, so the peer's matching call is never left alone
-    once both sides agreed to make it.
-    """
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def done(exc):
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    def run():
-        exc = None
-        try:
-            fn()
-        except BaseException as e:
-            exc = e
-        try:
-            loop.call_soon_threadsafe(done, exc)
-        except RuntimeError:
-            pass  # the event loop is gone
-
-    threading.Thread(target=run, name="MPI-channel", daemon=True).start()
-    await fut
+def close_port(port: str) -> None:
+    get_mpi().Close_port(port)
