@@ -161,6 +161,7 @@ class MPI(Comm):
 
     async def _accept(self) -> None:
         """The listening end of the handshake"""
+        await mpi_channel.mpi_ready()
         stream = self.stream
         peer = await _recv_handshake(stream)
         problem = _incompatibility(peer)
@@ -180,6 +181,7 @@ class MPI(Comm):
 
     async def _connect(self) -> None:
         """The connecting end of the handshake"""
+        await mpi_channel.mpi_ready()
         stream = self.stream
         known = mpi_channel.channel_for_address(self._peer_addr)
         await _send_handshake(stream, {**_hello(), "channel": known and known.id})
@@ -436,7 +438,7 @@ class MPIConnector(TCPConnector):
     comm_class = MPI
 
     async def connect(self, address, deserialize=True, **connection_args):
-        get_mpi()  # MPI starts with the first mpi:// connection or listener
+        mpi_channel.start_mpi()  # MPI starts with the first mpi:// connection
         comm = await super().connect(address, deserialize, **connection_args)
         try:
             await comm._connect()
@@ -454,7 +456,7 @@ class MPIListener(TCPListener):
     comm_class = MPI
 
     async def start(self):
-        get_mpi()
+        mpi_channel.start_mpi()  # ... or listener, without waiting for it
         await super().start()
 
     async def on_connection(self, comm, handshake_overrides=None):

@@ -24,13 +24,17 @@ never on ``import distributed``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import os
 import socket
 import threading
 import uuid
-from typing import Any
 
-_MPI: Any = None
+logger = logging.getLogger(__name__)
+
+_init: concurrent.futures.Future | None = None
 _process: tuple[int, str] | None = None
 _lock = threading.Lock()
 _channels: dict[str, Channel] = {}  # by channel id
@@ -41,30 +45,71 @@ _addresses: dict[str, str] = {}  # peer process by listening address
 # from its own half of the tag space, so both can add comms to one channel.
 ACCEPTOR, CONNECTOR = 0, 1
 
+# Warn when MPI_Init waits this long for the other ranks of an mpiexec job
+INIT_WARNING_DELAY = 10
+
+
+def _initialize():
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
+            f"initialised with thread level {MPI.Query_thread()}. Do not "
+            "initialise MPI with a lower thread level before using mpi://."
+        )
+    return MPI
+
+
+def start_mpi() -> concurrent.futures.Future:
+    """Initialise MPI in a helper thread, once; a future for ``mpi4py.MPI``.
+
+    Under ``mpiexec``, MPI_Init returns only once every rank of the job has
+    called it.  Ranks use mpi:// at different times (workers wait for the
+    scheduler file that the scheduler writes once it listens), so nobody may
+    block on it: listeners listen while MPI starts.
+    """
+    global _init
+    with _lock:
+        if _init is None:
+            try:
+                import mpi4py
+            except ImportError as e:
+                raise ImportError(
+                    "The mpi:// transport needs mpi4py and an MPI library: "
+                    "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
+                ) from e
+            # Event loops in several threads may use MPI at once
+            mpi4py.rc.thread_level = "multiple"
+            _init = concurrent.futures.Future()
+            threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
+    return _init
+
+
+def _run_init(fut: concurrent.futures.Future) -> None:
+    try:
+        fut.set_result(_initialize())
+    except BaseException as e:
+        fut.set_exception(e)
+
+
+async def mpi_ready():
+    """``mpi4py.MPI``, once MPI is initialised"""
+    fut = asyncio.wrap_future(start_mpi())
+    done, _ = await asyncio.wait([fut], timeout=INIT_WARNING_DELAY)
+    if not done:
+        logger.warning(
+            "MPI_Init has been waiting for %ds: under mpiexec it returns once "
+            "every rank of the job called it, so every rank must use mpi:// "
+            "(or initialise MPI itself)",
+            INIT_WARNING_DELAY,
+        )
+    return await fut
+
 
 def get_mpi():
-    """The ``mpi4py.MPI`` module, initialising MPI on first call"""
-    global _MPI
-    if _MPI is None:
-        try:
-            import mpi4py
-        except ImportError as e:
-            raise ImportError(
-                "The mpi:// transport needs mpi4py and an MPI library: "
-                "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
-            ) from e
-        # Channels are set up by blocking calls in helper threads
-        mpi4py.rc.thread_level = "multiple"
-        from mpi4py import MPI
-
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RuntimeError(
-                "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
-                f"initialised with thread level {MPI.Query_thread()}. Do not "
-                "initialise MPI with a lower thread level before using mpi://."
-            )
-        _MPI = MPI
-    return _MPI
+    """``mpi4py.MPI``; MPI must have been started with :func:`start_mpi`"""
+    return start_mpi().result()
 
 
 def process_id() -> str:
