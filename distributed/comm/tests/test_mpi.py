@@ -244,6 +244,30 @@ async def test_garbage_handshake_does_not_stop_listener():
 
 
 @gen_test()
+async def test_peer_with_another_mpi_library_is_refused():
+    import json
+    import struct
+
+    async with listen("mpi://127.0.0.1:0", echo) as listener:
+        host, port = get_address_host_port(listener.contact_address)
+        reader, writer = await asyncio.open_connection(host, port)
+        hello = {"protocol": 1, "process": "elsewhere/1/x", "library": "Other MPI 9.9"}
+        body = json.dumps(hello).encode()
+        writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
+        magic, size = struct.unpack("!8sI", await reader.readexactly(12))
+        reply = json.loads(await reader.readexactly(size))
+        assert "Other MPI 9.9" in reply["error"]
+        assert "same MPI library" in reply["error"]
+        assert await reader.read() == b""  # and the connection is closed
+        writer.close()
+
+        comm = await connect(listener.contact_address)
+        await comm.write("still serving")
+        assert await comm.read() == "still serving"
+        await comm.close()
+
+
+@gen_test()
 async def test_rpc_server():
     server = Server({"ping": lambda: "pong", "add": lambda x, y: x + y})
     await server.listen("mpi://127.0.0.1:0")

@@ -1,0 +1,95 @@
+"""Idle cost: CPU used by a scheduler and two workers sitting idle with open comms.
+
+    python benchmarks/idle.py [--quick] [--seconds 30] [--out benchmarks/results]
+
+For each protocol, starts a scheduler and two workers (each in its own
+``mpiexec -n 1`` for mpi://, plain processes for tcp://), connects a client,
+runs one small computation so that all comms are open, then measures the CPU
+seconds (user + system) the three processes use over the idle period.
+Writes ``idle.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from distributed import Client
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def start(args: list[str], mpi: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", *args]
+    if mpi:
+        cmd = [MPIEXEC, "-n", "1", *cmd]
+    return subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def python_processes(job: subprocess.Popen) -> list[psutil.Process]:
+    root = psutil.Process(job.pid)
+    procs = [root, *root.children(recursive=True)]
+    return [p for p in procs if "python" in p.name()]
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+
+def measure(protocol: str, seconds: float) -> dict:
+    mpi = protocol == "mpi"
+    with tempfile.TemporaryDirectory() as tmp:
+        sched_file = os.path.join(tmp, "scheduler.json")
+        jobs = [
+            start(["distributed.cli.dask_scheduler", "--protocol", protocol, "--port", "0",
+                   "--scheduler-file", sched_file, "--no-dashboard"], mpi)
+        ]
+        try:
+            worker = ["distributed.cli.dask_worker", "--scheduler-file", sched_file,
+                      "--no-nanny", "--nthreads", "1", "--no-dashboard"]
+            jobs += [start(worker, mpi) for _ in range(2)]
+            while not os.path.exists(sched_file):
+                time.sleep(0.1)
+            with Client(scheduler_file=sched_file, timeout=60) as client:
+                client.wait_for_workers(2, timeout=60)
+                assert client.submit(sum, [1, 2]).result() == 3
+                procs = [p for job in jobs for p in python_processes(job)]
+                time.sleep(2)  # let start-up settle
+                before = cpu_seconds(procs)
+                time.sleep(seconds)
+                used = cpu_seconds(procs) - before
+            return {"cpu_seconds": used, "seconds": seconds, "processes": len(procs),
+                    "cpu_percent_per_process": 100 * used / seconds / len(procs)}
+        finally:
+            for job in jobs:
+                os.killpg(job.pid, 9)
+                job.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    seconds = args.seconds or (5 if args.quick else 30)
+    os.makedirs(args.out, exist_ok=True)
+    results = {protocol: measure(protocol, seconds) for protocol in ["tcp", "mpi"]}
+    with open(os.path.join(args.out, "idle.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for protocol, r in results.items():
+        print(f"{protocol}://: {r['cpu_seconds']:.3f} CPU s in {seconds:g} s "
+              f"({r['cpu_percent_per_process']:.2f} % of a core per process)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Comm ping-pong between two processes: tcp:// vs mpi:// (vs ucx://), and raw mpi4py.
+
+    python benchmarks/pingpong.py [--quick] [--out benchmarks/results]
+
+For each protocol a server process echoes every message back (it reads with
+``deserialize=False``, so it sends the same frames back) and a client process
+times round trips through distributed's public comm API: one-way latency is
+half the round trip. The payload is a numpy array wrapped in ``to_serialize``
+(the path of worker-to-worker transfers), plus a small dict message. The raw
+mpi4py ``Send``/``Recv`` ping-pong of the same buffers is the ceiling.
+Writes ``pingpong.json`` (and PNG plots when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def sizes(quick: bool) -> list[int]:
+    top = 2**24 if quick else 2**27
+    return sorted({4**k for k in range(20) if 4**k <= top} | {top})
+
+
+def repetitions(size: int, quick: bool) -> int:
+    n = 200 if size <= 2**16 else max(5, 2**26 // size)
+    return max(3, n // 4) if quick else n
+
+
+async def serve(protocol: str, path: str) -> None:
+    from distributed.comm import CommClosedError, listen
+
+    async def echo(comm):
+        try:
+            while True:
+                await comm.write(await comm.read())
+        except CommClosedError:
+            pass
+
+    async with listen(f"{protocol}://127.0.0.1:0", echo, deserialize=False) as listener:
+        with open(path + ".tmp", "w") as f:
+            f.write(listener.contact_address)
+        os.rename(path + ".tmp", path)
+        await asyncio.Event().wait()
+
+
+async def client(address: str, quick: bool) -> dict:
+    import numpy as np
+
+    from distributed.comm import connect
+    from distributed.protocol import to_serialize
+
+    comm = await connect(address)
+    results = {}
+
+    async def timed(msg, n):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await comm.write(msg)
+            await comm.read()
+            times.append((time.perf_counter() - start) / 2)
+        return statistics.median(times)
+
+    await timed({"op": "ping", "i": 1}, 20)  # warm up
+    results["dict"] = await timed({"op": "ping", "i": 1, "key": "x-123"}, 200)
+    for size in sizes(quick):
+        msg = {"x": to_serialize(np.ones(size, dtype="u1"))}
+        await timed(msg, 2)
+        results[size] = await timed(msg, repetitions(size, quick))
+    await comm.close()
+    return results
+
+
+def raw(quick: bool) -> None:
+    """mpiexec -n 2: blocking Send/Recv of the same buffers"""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm, results = MPI.COMM_WORLD, {}
+    peer = 1 - comm.rank
+    for size in sizes(quick):
+        buf = np.ones(size, dtype="u1")
+        times = []
+        for i in range(repetitions(size, quick) + 2):
+            comm.Barrier()
+            start = time.perf_counter()
+            if comm.rank == 0:
+                comm.Send(buf, peer)
+                comm.Recv(buf, peer)
+            else:
+                comm.Recv(buf, peer)
+                comm.Send(buf, peer)
+            if i >= 2:
+                times.append((time.perf_counter() - start) / 2)
+        results[size] = statistics.median(times)
+    if comm.rank == 0:
+        print(json.dumps(results))
+
+
+def _launch(args: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, HERE, *args]
+    if mpi:
+        cmd = [MPIEXEC, "-n", "1", *cmd]
+    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+
+
+def run_protocol(protocol: str, quick: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "address")
+        mpi = protocol == "mpi"
+        server = _launch(["serve", protocol, path], mpi)
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"{protocol} server did not start")
+                time.sleep(0.05)
+            with open(path) as f:
+                address = f.read()
+            args = ["client", address] + (["--quick"] if quick else [])
+            out = _launch(args, mpi, stdout=subprocess.PIPE, text=True)
+            stdout, _ = out.communicate(timeout=1800)
+            return json.loads(stdout.strip().splitlines()[-1])
+        finally:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def versions() -> dict:
+    import dask
+    import mpi4py
+
+    import distributed
+
+    info = {"python": platform.python_version(), "machine": platform.machine()}
+    info["cpus"] = os.cpu_count()
+    info["dask"] = dask.__version__
+    info["distributed"] = distributed.__version__
+    info["mpi4py"] = mpi4py.__version__
+    out = subprocess.run(
+        [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"],
+        capture_output=True, text=True,
+    )
+    info["mpi_library"] = out.stdout.strip()
+    return info
+
+
+def plot(results: dict, out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (lat, bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, figures in results["transports"].items():
+        xs = sorted(int(k) for k in figures if k != "dict")
+        ys = [figures[str(x)] for x in xs]
+        lat.loglog(xs, [y * 1e6 for y in ys], marker="o", label=name)
+        bw.semilogx(xs, [x / y / 1e9 for x, y in zip(xs, ys)], marker="o", label=name)
+    lat.set(xlabel="message size (bytes)", ylabel="one-way latency (us, median)")
+    bw.set(xlabel="message size (bytes)", ylabel="bandwidth (GB/s)")
+    for ax in (lat, bw):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"ping-pong, {results['machine']['mpi_library']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "pingpong.png"), dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    protocols = ["tcp", "mpi"]
+    try:
+        import distributed_ucxx  # noqa: F401
+
+        protocols.append("ucx")
+    except ImportError:
+        pass
+    results = {"machine": versions(), "quick": args.quick, "transports": {}}
+    for protocol in protocols:
+        print(f"{protocol}://", file=sys.stderr)
+        results["transports"][f"{protocol}://"] = run_protocol(protocol, args.quick)
+    cmd = [MPIEXEC, "-n", "2", sys.executable, HERE, "raw"] + (["--quick"] if args.quick else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
+    results["transports"]["raw mpi4py"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    with open(os.path.join(args.out, "pingpong.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out)
+    summarize(results)
+
+
+def summarize(results: dict) -> None:
+    t = results["transports"]
+    names = list(t)
+    print("size".rjust(10), *(n.rjust(14) for n in names), "mpi/tcp".rjust(9), sep="")
+    for key in t["tcp://"]:
+        row = [t[n].get(key) for n in names]
+        cells = [f"{v * 1e6:12.1f}us" if v else " " * 14 for v in row]
+        ratio = t["mpi://"][key] / t["tcp://"][key]
+        print(str(key).rjust(10), *cells, f"{ratio:9.2f}", sep="")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        asyncio.run(serve(sys.argv[2], sys.argv[3]))
+    elif sys.argv[1:2] == ["client"]:
+        print(json.dumps(asyncio.run(client(sys.argv[2], "--quick" in sys.argv))))
+    elif sys.argv[1:2] == ["raw"]:
+        raw("--quick" in sys.argv)
+    else:
+        main()
