@@ -66,6 +66,10 @@ _DOORBELL = b"\x01"
 _CLOSING = b"\x00"
 
 
+def _config(key: str):
+    return dask.config.get(f"distributed.comm.mpi.{key}")
+
+
 def _connect_timeout() -> float:
     return parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
 
@@ -123,12 +127,11 @@ class MPI(Comm):
         self.stream = stream
         self._local_addr = local_addr
         self._peer_addr = peer_addr
-        config = dask.config.get("distributed.comm.mpi")
-        self._inline_size = parse_bytes(config["inline-size"])
+        self._inline_size = parse_bytes(_config("inline-size"))
         # Open MPI 5 has no large-count calls: keep each message below 2 GiB
-        self._chunk_size = min(parse_bytes(config["chunk-size"]), 2**31 - 1)
+        self._chunk_size = min(parse_bytes(_config("chunk-size")), 2**31 - 1)
         # A woken engine polls for idle-after: ring at least twice as often
-        self._ring_interval = parse_timedelta(config["idle-after"]) / 2
+        self._ring_interval = parse_timedelta(_config("idle-after")) / 2
         self._rung = float("-inf")
         self._channel: mpi_channel.Channel | None = None
         self._engine: ProgressEngine | None = None

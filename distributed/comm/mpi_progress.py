@@ -47,11 +47,13 @@ class ProgressEngine:
             return engine
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        config = dask.config.get("distributed.comm.mpi")
-        self.busy = config["progress-mode"] == "busy"
-        self.busy_poll_time = parse_timedelta(config["busy-poll-time"])
-        self.poll_interval = parse_timedelta(config["poll-interval"])
-        self.idle_after = parse_timedelta(config["idle-after"])
+        def config(key):
+            return dask.config.get(f"distributed.comm.mpi.{key}")
+
+        self.busy = config("progress-mode") == "busy"
+        self.busy_poll_time = parse_timedelta(config("busy-poll-time"))
+        self.poll_interval = parse_timedelta(config("poll-interval"))
+        self.idle_after = parse_timedelta(config("idle-after"))
         self._MPI = get_mpi()
         self._loop = loop
         # future -> (requests, objects that must stay alive until they complete)
@@ -133,17 +135,21 @@ class ProgressEngine:
         # else: only waiting for new messages, and idle: sleep until woken
 
     def _test_transfers(self) -> bool:
+        # Any completed request counts as progress: frames are sent in chunks,
+        # so the engine keeps polling without sleeping while data flows.
         progressed = False
         for fut, (requests, _) in list(self._transfers.items()):
             try:
-                done = self._MPI.Request.Testall(requests)
+                completed = self._MPI.Request.Testsome(requests)
             except self._MPI.Exception as e:
                 del self._transfers[fut]
                 if not fut.done():
                     fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
                 progressed = True
                 continue
-            if done:
+            if completed:
+                progressed = True
+            if completed is None or self._MPI.Request.Testall(requests):
                 del self._transfers[fut]
                 if not fut.done():
                     fut.set_result(None)
