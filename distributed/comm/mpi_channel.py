@@ -25,10 +25,13 @@ never on ``import distributed``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 import uuid
 
@@ -52,6 +55,16 @@ INIT_WARNING_DELAY = 10
 def _initialize():
     from mpi4py import MPI
 
+    if not MPI.Is_initialized():
+        # mpi4py would hold the GIL in MPI_Init; ctypes lets go of it, so
+        # this process goes on while MPI_Init waits for the other ranks.
+        provided = ctypes.c_int()
+        init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
+        if init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided)):
+            raise RuntimeError("MPI_Init_thread failed")
+        for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        atexit.register(_finalize, MPI)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
             "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
@@ -59,6 +72,11 @@ def _initialize():
             "initialise MPI with a lower thread level before using mpi://."
         )
     return MPI
+
+
+def _finalize(MPI) -> None:
+    if not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def start_mpi() -> concurrent.futures.Future:
@@ -79,8 +97,8 @@ def start_mpi() -> concurrent.futures.Future:
                     "The mpi:// transport needs mpi4py and an MPI library: "
                     "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
                 ) from e
-            # Event loops in several threads may use MPI at once
-            mpi4py.rc.thread_level = "multiple"
+            if "mpi4py.MPI" not in sys.modules:
+                mpi4py.rc.initialize = False  # _initialize does it
             _init = concurrent.futures.Future()
             threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
     return _init
