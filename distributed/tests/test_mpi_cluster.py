@@ -1,5 +1,6 @@
-"""A whole cluster on protocol="mpi": scheduler and workers started by
-separate ``mpiexec`` commands, this test process as the client."""
+"""A whole cluster on protocol="mpi", this test process as the client: the
+scheduler and the workers started by separate ``mpiexec`` commands, or as
+ranks of one ``mpiexec`` job."""
 
 from __future__ import annotations
 
@@ -17,14 +18,33 @@ from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
 pytestmark = pytest.mark.timeout(120)
 
 
+def scheduler_and_workers(scheduler_file: str) -> tuple[list[str], list[str]]:
+    scheduler = ["-m", "distributed.cli.dask_scheduler", "--protocol", "mpi"]
+    scheduler += ["--port", "0", "--scheduler-file", scheduler_file, "--no-dashboard"]
+    worker = ["-m", "distributed.cli.dask_worker", "--scheduler-file", scheduler_file]
+    worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
+    return scheduler, worker
+
+
+def test_one_mpiexec_job(tmp_path):
+    """The README's example: scheduler and workers are ranks of one job, and
+    MPI_Init in each waits for all of them"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file)
+    with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
+        wait_for_file(scheduler_file, job)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            x = da.random.RandomState(0).random((1000, 1000), chunks=(250, 250))
+            expected = (x + x.T).sum().compute(scheduler="sync")
+            assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
+            client.shutdown()
+        assert job.wait(60) == 0
+
+
 def test_mpiexec_cluster_moves_data_between_workers(tmp_path):
     scheduler_file = str(tmp_path / "scheduler.json")
-    scheduler_args = ["-m", "distributed.cli.dask_scheduler", "--protocol", "mpi"]
-    scheduler_args += ["--port", "0"]
-    scheduler_args += ["--scheduler-file", scheduler_file, "--no-dashboard"]
-    worker_args = ["-m", "distributed.cli.dask_worker", "--scheduler-file"]
-    worker_args += [scheduler_file, "--no-nanny", "--nthreads", "1", "--no-dashboard"]
-
+    scheduler_args, worker_args = scheduler_and_workers(scheduler_file)
     with mpiexec(["-n", "1", *scheduler_args]) as scheduler:
         wait_for_file(scheduler_file, scheduler)
         with (

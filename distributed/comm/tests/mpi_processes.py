@@ -37,10 +37,9 @@ class Job(subprocess.Popen):
 
 @contextlib.contextmanager
 def mpiexec(args: list[str], **kwargs):
-    """Run ``mpiexec <args>`` with this Python; kill the whole job on exit"""
-    if args[-1:] and "-m" in args:
-        i = args.index("-m")
-        args = args[:i] + [sys.executable] + args[i:]
+    """Run ``mpiexec <args>``, where ``-m module`` runs with this Python;
+    kill the whole job on exit"""
+    args = [a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])]
     proc = Job(
         [mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs
     )
