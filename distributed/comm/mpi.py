@@ -94,6 +94,7 @@ def _hello() -> dict:
         "protocol": _PROTOCOL,
         "process": mpi_channel.process_id(),
         "library": mpi_channel.library(),
+        "job": mpi_channel.job(),
     }
 
 
@@ -112,6 +113,17 @@ def _incompatibility(peer: dict) -> str | None:
         )
     if not isinstance(peer.get("process"), str):
         return "peer did not say which process it is"
+    if (
+        mpi_channel.library().startswith("Open MPI")
+        and peer["process"] != mpi_channel.process_id()
+        and (mpi_channel.job() is None or peer.get("job") != mpi_channel.job())
+    ):
+        # It would hang in MPI_Comm_connect rather than fail
+        return (
+            "Open MPI cannot connect processes of different mpiexec jobs, nor "
+            "processes not started by mpiexec: start them all in one mpiexec "
+            "job, or use MPICH"
+        )
     return None
 
 

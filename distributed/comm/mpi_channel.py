@@ -139,6 +139,11 @@ def process_id() -> str:
     return _process[1]
 
 
+def job() -> str | None:
+    """The mpiexec job of this process, where the launcher says (PMIx)"""
+    return os.environ.get("PMIX_NAMESPACE")
+
+
 def library() -> str:
     """The MPI library and version; peers must agree on it"""
     name, version = get_mpi().get_vendor()
