@@ -1,0 +1,173 @@
+"""Application benchmarks per protocol: transpose-sum, dataframe merge, matrix dot.
+
+    python benchmarks/apps.py [--quick] [--workers 2] [--out benchmarks/results]
+
+CPU versions of dask-cuda's ``local_cupy_transpose_sum`` and
+``local_cudf_merge``, and a matrix product, on a cluster of N workers (each
+worker and the scheduler in its own process: ``mpiexec -n 1`` for mpi://).
+Reports the median wall time, the bytes moved between workers and the
+throughput for each protocol. Writes ``apps.json`` and ``apps.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from distributed import Client
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def transpose_sum(n: int, chunk: int):
+    import dask.array as da
+
+    x = da.random.random((n, n), chunks=chunk)
+    return (x + x.T).sum()
+
+
+def dot(n: int, chunk: int):
+    import dask.array as da
+
+    a = da.random.random((n, n), chunks=chunk)
+    b = da.random.random((n, n), chunks=chunk)
+    return a.dot(b).sum()
+
+
+def _partition(seed: int, rows: int, name: str):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({"key": rng.integers(0, rows, rows), name: rng.random(rows)})
+
+
+def merge(rows: int, partitions: int):
+    import dask.dataframe as dd
+
+    def frame(name, seed):
+        part_rows = rows // partitions
+        seeds = range(seed, seed + partitions)
+        return dd.from_map(_partition, seeds, rows=part_rows, name=name)
+
+    joined = dd.merge(frame("x", 0), frame("y", 1000), on="key", shuffle_method="tasks")
+    return joined["x"].sum()
+
+
+def benchmarks(quick: bool) -> dict:
+    if quick:
+        return {"transpose_sum": (transpose_sum, 4000, 500), "dot": (dot, 2000, 500),
+                "merge": (merge, 1_000_000, 8)}
+    return {"transpose_sum": (transpose_sum, 10000, 1000), "dot": (dot, 4000, 1000),
+            "merge": (merge, 5_000_000, 16)}
+
+
+def transferred(client: Client) -> int:
+    def total(dask_worker):
+        return sum(t["total"] for t in dask_worker.transfer_incoming_log)
+
+    return sum(client.run(total).values())
+
+
+def start(args: list[str], mpi: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", *args]
+    if mpi:
+        cmd = [MPIEXEC, "-n", "1", *cmd]
+    return subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
+    mpi = protocol == "mpi"
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sched_file = os.path.join(tmp, "scheduler.json")
+        jobs = [start(["distributed.cli.dask_scheduler", "--protocol", protocol,
+                       "--port", "0", "--scheduler-file", sched_file, "--no-dashboard"], mpi)]
+        try:
+            worker = ["distributed.cli.dask_worker", "--scheduler-file", sched_file,
+                      "--no-nanny", "--nthreads", "1", "--no-dashboard",
+                      "--memory-limit", "0"]
+            jobs += [start(worker, mpi) for _ in range(workers)]
+            while not os.path.exists(sched_file):
+                time.sleep(0.1)
+            with Client(scheduler_file=sched_file, timeout=60) as client:
+                client.wait_for_workers(workers, timeout=60)
+                for name, (make, *args) in benchmarks(quick).items():
+                    times, moved = [], []
+                    for _ in range(repeat):
+                        graph = make(*args)
+                        before = transferred(client)
+                        start_time = time.perf_counter()
+                        client.compute(graph).result()
+                        times.append(time.perf_counter() - start_time)
+                        moved.append(transferred(client) - before)
+                        client.cancel(graph)
+                    wall = statistics.median(times)
+                    nbytes = statistics.median(moved)
+                    results[name] = {"wall_time": wall, "times": times,
+                                     "bytes_moved": nbytes, "throughput": nbytes / wall}
+            return results
+        finally:
+            for job in jobs:
+                os.killpg(job.pid, 9)
+                job.wait()
+
+
+def plot(results: dict, out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    protocols = list(results["protocols"])
+    names = list(results["protocols"][protocols[0]])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(protocols)
+    for i, p in enumerate(protocols):
+        walls = [results["protocols"][p][n]["wall_time"] for n in names]
+        ax.bar([j + i * width for j in range(len(names))], walls, width, label=p)
+    ax.set_xticks([j + width * (len(protocols) - 1) / 2 for j in range(len(names))], names)
+    ax.set_ylabel("wall time (s, median)")
+    ax.set_title(f"{results['workers']} workers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "apps.png"), dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    repeat = args.repeat or (1 if args.quick else 3)
+    os.makedirs(args.out, exist_ok=True)
+    results = {"workers": args.workers, "quick": args.quick, "protocols": {}}
+    for protocol in ["tcp", "mpi"]:
+        print(f"{protocol}://", file=sys.stderr)
+        results["protocols"][f"{protocol}://"] = run_protocol(
+            protocol, args.workers, args.quick, repeat
+        )
+    with open(os.path.join(args.out, "apps.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out)
+    tcp, mpi = results["protocols"]["tcp://"], results["protocols"]["mpi://"]
+    for name in tcp:
+        print(f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
+              f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"
+              f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Connection set-up time per protocol.
+
+    python benchmarks/connect.py [--quick] [--processes 16] [--out benchmarks/results]
+
+A listener runs in its own process. Measured, for tcp:// and mpi://:
+
+- ``init``: MPI_Init in the connecting process (mpi:// only);
+- ``first``: the first connection from a new process (for mpi:// this opens
+  the MPI channel between the two processes);
+- ``next``: median of later connections from the same process (they reuse it);
+- ``many_comms``: 200 connections opened concurrently from one process;
+- ``many_processes``: N processes started together, each connecting once
+  (a cluster's workers joining), from start of connect to the last one done.
+Writes ``connect.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+async def serve(protocol: str, path: str) -> None:
+    from distributed.comm import listen
+
+    comms = []
+
+    async def keep(comm):
+        comms.append(comm)
+
+    async with listen(f"{protocol}://127.0.0.1:0", keep) as listener:
+        with open(path + ".tmp", "w") as f:
+            f.write(listener.contact_address)
+        os.rename(path + ".tmp", path)
+        await asyncio.Event().wait()
+
+
+async def client(address: str, mode: str) -> dict:
+    from distributed.comm import connect
+
+    if mode == "once":  # one connection; wall clock start for many_processes
+        await connect(address)
+        return {"done": time.time()}
+    init = 0.0
+    if address.startswith("mpi://"):  # time MPI_Init apart from the connection
+        from distributed.comm.mpi_channel import mpi_ready, start_mpi
+
+        start = time.perf_counter()
+        start_mpi()
+        await mpi_ready()
+        init = time.perf_counter() - start
+    start = time.perf_counter()
+    comms = [await connect(address)]
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        comms.append(await connect(address))
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    comms += await asyncio.gather(*(connect(address) for _ in range(200)))
+    many = time.perf_counter() - start
+    await asyncio.gather(*(c.close() for c in comms))
+    return {"init": init, "first": first, "next": statistics.median(times), "many_comms": many}
+
+
+def launch(args: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, HERE, *args]
+    if mpi:
+        cmd = [MPIEXEC, "-n", "1", *cmd]
+    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+
+
+def measure(protocol: str, processes: int) -> dict:
+    mpi = protocol == "mpi"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "address")
+        server = launch(["serve", protocol, path], mpi)
+        try:
+            while not os.path.exists(path):
+                time.sleep(0.05)
+            with open(path) as f:
+                address = f.read()
+            out = launch(["client", address, "all"], mpi, stdout=subprocess.PIPE, text=True)
+            result = json.loads(out.communicate(timeout=600)[0].splitlines()[-1])
+            # Processes start together; time from the earliest start to the last connection
+            start = time.time()
+            clients = [
+                launch(["client", address, "once"], mpi, stdout=subprocess.PIPE, text=True)
+                for _ in range(processes)
+            ]
+            done = [json.loads(c.communicate(timeout=600)[0].splitlines()[-1])["done"] for c in clients]
+            result["many_processes"] = max(done) - start
+            result["processes"] = processes
+            return result
+        finally:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--processes", type=int, default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
+    args = parser.parse_args()
+    processes = args.processes or (4 if args.quick else 16)
+    os.makedirs(args.out, exist_ok=True)
+    results = {p: measure(p, processes) for p in ["tcp", "mpi"]}
+    with open(os.path.join(args.out, "connect.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for p, r in results.items():
+        print(f"{p}://: init {r['init'] * 1e3:.1f} ms, first {r['first'] * 1e3:.1f} ms, next {r['next'] * 1e3:.2f} ms, "
+              f"200 comms {r['many_comms']:.2f} s, {processes} processes {r['many_processes']:.2f} s")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        asyncio.run(serve(sys.argv[2], sys.argv[3]))
+    elif sys.argv[1:2] == ["client"]:
+        print(json.dumps(asyncio.run(client(sys.argv[2], sys.argv[3]))))
+    else:
+        main()
