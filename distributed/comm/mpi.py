@@ -429,7 +429,8 @@ class MPI(Comm):
                 request = channel.comm.Isend(
                     [head, get_mpi().BYTE], channel.rank, self._send_tag
                 )
-                self._engine.transfer([request], head)
+                # Nobody waits for it: a peer that closed too never reads it
+                self._engine.orphan([request], head)
                 await stream.write(_CLOSING)
         except (StreamClosedError, get_mpi().Exception):
             pass

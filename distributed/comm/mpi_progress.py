@@ -54,14 +54,18 @@ class ProgressEngine:
         self.busy_poll_time = parse_timedelta(config("busy-poll-time"))
         self.poll_interval = parse_timedelta(config("poll-interval"))
         self.idle_after = parse_timedelta(config("idle-after"))
+        self.orphan_timeout = parse_timedelta(
+            dask.config.get("distributed.comm.timeouts.connect")
+        )
         self._MPI = get_mpi()
-        self._loop = loop
+        # A proxy: the engines' dict must not keep closed loops alive
+        self._loop = weakref.proxy(loop)
         # future -> (requests, objects that must stay alive until they complete)
         self._transfers: dict[asyncio.Future, tuple[list, Any]] = {}
         # future -> (communicator, source, tag)
         self._probes: dict[asyncio.Future, tuple[Any, int, int]] = {}
         # requests of cancelled transfers: MPI may still touch their buffers
-        self._orphans: list[tuple[list, Any]] = []
+        self._orphans: list[tuple[list, Any, float]] = []
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
         self._delay = 0.0
@@ -78,6 +82,15 @@ class ProgressEngine:
             self._transfers[fut] = (requests, keepalive)
             self.wake()
         return fut
+
+    def orphan(self, requests: list, keepalive: Any = None) -> None:
+        """Let ``requests`` complete in their own time, keeping ``keepalive``
+        until they do, without anyone waiting or the engine polling for them.
+        Those still pending after the connect timeout are cancelled: nobody
+        will receive them (a send to this same process is only complete once
+        received)."""
+        deadline = self._loop.time() + self.orphan_timeout
+        self._orphans.append((requests, keepalive, deadline))
 
     def probe(self, comm, source: int, tag: int) -> asyncio.Future:
         """A future for ``(message, nbytes)``: the next message matching
@@ -98,7 +111,7 @@ class ProgressEngine:
                     request.Cancel()
                 except self._MPI.Exception:
                     pass  # completed already, or not cancellable
-            self._orphans.append(entry)
+            self.orphan(*entry)
         if not fut.done():
             fut.set_exception(exc)
 
@@ -116,9 +129,7 @@ class ProgressEngine:
         self._handle = None
         progressed = self._test_transfers() | self._test_probes()
         if self._orphans:
-            self._orphans = [
-                o for o in self._orphans if not self._test_quietly(o[0])
-            ]
+            self._test_orphans()
 
         now = self._loop.time()
         if progressed:
@@ -176,8 +187,17 @@ class ProgressEngine:
                 progressed = True
         return progressed
 
-    def _test_quietly(self, requests: list) -> bool:
-        try:
-            return self._MPI.Request.Testall(requests)
-        except self._MPI.Exception:
-            return True
+    def _test_orphans(self) -> None:
+        now = self._loop.time()
+        pending = []
+        for requests, keepalive, deadline in self._orphans:
+            try:
+                if self._MPI.Request.Testall(requests):
+                    continue
+                if now > deadline:
+                    for request in requests:
+                        request.Cancel()
+            except self._MPI.Exception:
+                continue
+            pending.append((requests, keepalive, deadline))
+        self._orphans = pending
