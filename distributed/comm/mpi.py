@@ -386,7 +386,8 @@ class MPI(Comm):
 
     def _sent(self, fut) -> None:
         self._writes.discard(fut)
-        if not self._closed and fut.exception() is not None:
+        failed = fut.exception() is not None  # also marks it as retrieved
+        if failed and not self._closed:
             self.abort()  # MPI failed to send: the stream is broken
 
     async def _await(self, pending: set, fut):
