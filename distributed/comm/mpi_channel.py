@@ -75,8 +75,20 @@ def _initialize():
 
 
 def _finalize(MPI) -> None:
-    if not MPI.Is_finalized():
-        MPI.Finalize()
+    if MPI.Is_finalized():
+        return
+    # Receive what peers sent to comms closed here (their CLOSE heads), which
+    # some MPI libraries would warn about at exit
+    status = MPI.Status()
+    for channel in list(_channels.values()):
+        for _ in range(10_000):
+            message = channel.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                break
+            nbytes = status.Get_count(MPI.BYTE)
+            if nbytes <= 65536:  # larger ones may wait for a sender that is gone
+                message.Recv(bytearray(nbytes))
+    MPI.Finalize()
 
 
 def start_mpi() -> concurrent.futures.Future:
