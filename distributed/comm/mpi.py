@@ -94,7 +94,7 @@ def _hello() -> dict:
         "protocol": _PROTOCOL,
         "process": mpi_channel.process_id(),
         "library": mpi_channel.library(),
-        "job": mpi_channel.job(),
+        "world": mpi_channel.world(),
     }
 
 
@@ -116,7 +116,7 @@ def _incompatibility(peer: dict) -> str | None:
     if (
         mpi_channel.library().startswith("Open MPI")
         and peer["process"] != mpi_channel.process_id()
-        and (mpi_channel.job() is None or peer.get("job") != mpi_channel.job())
+        and not _same_world(peer)
     ):
         # It would hang in MPI_Comm_connect rather than fail
         return (
@@ -125,6 +125,12 @@ def _incompatibility(peer: dict) -> str | None:
             "job, or use MPICH"
         )
     return None
+
+
+def _same_world(peer: dict) -> bool:
+    """Whether the peer is another rank of this process's mpiexec job"""
+    mine, theirs = mpi_channel.world(), peer.get("world")
+    return mine is not None and theirs is not None and theirs[0] == mine[0]
 
 
 def _chunks(frame: memoryview, size: int) -> list[memoryview]:
@@ -191,7 +197,7 @@ class MPI(Comm):
         reply = {**_hello(), "channel": channel.id, "tag": tag, "new": new}
         await _send_handshake(stream, reply)
         if new:
-            await self._open(channel)
+            await self._open(channel, peer)
         self._start(channel, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
@@ -207,7 +213,7 @@ class MPI(Comm):
         peer = reply["process"]
         if reply["new"]:
             channel = mpi_channel.new_channel(peer, reply["channel"])
-            await self._open(channel)
+            await self._open(channel, reply)
         else:
             channel = mpi_channel.find_channel(reply["channel"], peer)
             if channel is None or channel.id != reply["channel"]:
@@ -218,25 +224,32 @@ class MPI(Comm):
         tag = reply["tag"]
         self._start(channel, recv_tag=tag + 1, send_tag=tag)
 
-    async def _open(self, channel) -> None:
-        """Open a new channel with the peer: the acceptor sends a port name,
-        the connector says it is connecting, then both block in MPI until
-        they meet (see ``distributed.comm.mpi_channel`` for why this order)"""
+    async def _open(self, channel, peer: dict) -> None:
+        """Open a new channel with the peer: the acceptor sends a port name
+        (none for another rank of its own job), the connector says it is
+        connecting, then both block in MPI until they meet (see
+        ``distributed.comm.mpi_channel`` for why this order)"""
         stream = self.stream
+        same_world = _same_world(peer)
         try:
             if channel.role == ACCEPTOR:
-                port = mpi_channel.open_port()
+                port = None if same_world else mpi_channel.open_port()
                 try:
                     await _send_handshake(stream, {"port": port})
                     if (await _recv_handshake(stream)).get("connecting") is not True:
                         raise ValueError("not an mpi:// handshake")
                 except BaseException:
-                    mpi_channel.close_port(port)
+                    if port is not None:
+                        mpi_channel.close_port(port)
                     raise
-                channel.accept(port)
             else:
                 port = (await _recv_handshake(stream))["port"]
                 await _send_handshake(stream, {"connecting": True})
+            if same_world:
+                channel.join(peer["world"][1])
+            elif channel.role == ACCEPTOR:
+                channel.accept(port)
+            else:
                 channel.connect(port, _connect_timeout())
         except get_mpi().Exception as e:
             raise FatalCommClosedError(

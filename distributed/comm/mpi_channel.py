@@ -151,9 +151,20 @@ def process_id() -> str:
     return _process[1]
 
 
-def job() -> str | None:
-    """The mpiexec job of this process, where the launcher says (PMIx)"""
-    return os.environ.get("PMIX_NAMESPACE")
+def world() -> tuple[str, int] | None:
+    """The mpiexec job of this process and its rank there; None when it is
+    alone in its MPI_COMM_WORLD (a plain ``python``, or ``mpiexec -n 1``)"""
+    comm = get_mpi().COMM_WORLD
+    if comm.size == 1:
+        return None
+    env = os.environ
+    if "PMIX_NAMESPACE" in env:  # Open MPI, and launchers speaking PMIx
+        job = env["PMIX_NAMESPACE"]
+    elif "SLURM_STEP_ID" in env:
+        job = f"slurm/{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    else:  # ranks on one host share their launcher's proxy (Hydra)
+        job = f"{socket.gethostname()}/{os.getppid()}"
+    return f"{job}/{comm.size}", comm.rank
 
 
 def library() -> str:
@@ -200,8 +211,23 @@ class Channel:
         finally:
             info.Free()
 
-    def _opened(self, comm) -> None:
+    def join(self, peer_rank: int) -> None:
+        """Open the channel with a rank of this process's own mpiexec job:
+        a communicator of the two, made by both of them alone, without
+        MPICH's machinery for connecting separate jobs"""
+        world = get_mpi().COMM_WORLD
+        ranks = sorted([world.rank, peer_rank])
+        group = world.group.Incl(ranks)
+        try:
+            # Both ends derive the same tag, distinct for concurrent calls
+            comm = world.Create_group(group, int(self.id[:4], 16) % 32768)
+        finally:
+            group.Free()
+        self._opened(comm, ranks.index(peer_rank))
+
+    def _opened(self, comm, rank: int = 0) -> None:
         self.comm = comm
+        self.rank = rank
         with _lock:
             _channels[self.id] = self
             _latest[self.peer] = self
