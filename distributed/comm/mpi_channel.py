@@ -1,16 +1,17 @@
 """MPI channels: one MPI communicator per pair of processes.
 
-Two processes get a channel the first time one connects to the other, with
-``MPI_Comm_accept``/``MPI_Comm_connect`` over ``MPI_COMM_SELF``.  That works
-between ranks of one ``mpiexec`` job and between separately launched jobs,
-needs no collective call over all ranks and costs nothing at start-up.  Every
-later comm between the same two processes, in either direction, reuses the
-channel; comms are kept apart by tags.  A process talks to itself over a
-duplicate of ``MPI_COMM_SELF``.
+Two processes get a channel the first time one connects to the other.  Ranks
+of one ``mpiexec`` job make a communicator of the two of them with
+``MPI_Comm_create_group`` (only they take part); processes of different jobs,
+or started without ``mpiexec``, use ``MPI_Comm_accept``/``MPI_Comm_connect``
+over ``MPI_COMM_SELF``.  Neither needs a collective call over all ranks or
+costs anything at start-up.  Every later comm between the same two processes,
+in either direction, reuses the channel; comms are kept apart by tags.  A
+process talks to itself over a duplicate of ``MPI_COMM_SELF``.
 
-Accept and connect block, and MPICH holds its global lock while they wait, so
-a process in one can do no other MPI call: running them in helper threads
-would not help, and two processes accepting from each other would deadlock.
+These calls block, and MPICH holds its global lock while they wait, so a
+process in one can do no other MPI call: running them in helper threads would
+not help, and two processes accepting from each other would deadlock.
 Instead they run on the event loop, under two rules that rule out any cycle
 of processes waiting for each other:
 
