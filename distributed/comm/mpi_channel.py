@@ -19,7 +19,7 @@ of processes waiting for each other:
 - the acceptor calls accept only once the connector has said, over TCP, that
   it is calling connect right now (see ``distributed.comm.mpi``).
 
-MPI is initialised by :func:`get_mpi`, on first use of an ``mpi://`` address,
+MPI is initialised by :func:`start_mpi`, on first use of an ``mpi://`` address,
 never on ``import distributed``.
 """
 
