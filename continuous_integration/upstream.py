@@ -264,12 +264,15 @@ def expected(root: Path, config: Config) -> dict[str, bytes]:
     files = upstream_package(config)
     for patch in patches(root):
         apply_patch(patch, files)
-    files[VERSION_FILE] = version_file(config.version).encode()
+    files[VERSION_FILE] = version_file(config.version, files[VERSION_FILE]).encode()
     return files
 
 
-def version_file(version: str) -> str:
-    # The same names as the _version.py that setuptools-scm writes for upstream
+def version_file(version: str, upstream: bytes) -> str:
+    # The same names as the _version.py that setuptools-scm writes for upstream,
+    # and upstream's commit id: the commit this fork is built on
+    commit = re.search(rb"^__commit_id__ = commit_id = (.*)$", upstream, re.M)
+    commit = commit.group(1).decode() if commit else "None"
     release, _, local = version.partition("+")
     parts = tuple(int(p) if p.isdigit() else p for p in release.split("."))
     parts += (local,) if local else ()
@@ -278,7 +281,7 @@ def version_file(version: str) -> str:
         "# don't change, don't track in version control\n"
         f"__version__ = version = {version!r}\n"
         f"__version_tuple__ = version_tuple = {parts!r}\n"
-        "__commit_id__ = commit_id = None\n"
+        f"__commit_id__ = commit_id = {commit}\n"
     )
 
 
