@@ -15,15 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
+from processes import cluster
+
 from distributed import Client
-
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-
 
 def transpose_sum(n: int, chunk: int):
     import dask.array as da
@@ -75,50 +72,26 @@ def transferred(client: Client) -> int:
     return sum(client.run(total).values())
 
 
-def start(args: list[str], mpi: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", *args]
-    if mpi:
-        cmd = [MPIEXEC, "-n", "1", *cmd]
-    return subprocess.Popen(
-        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
-
 def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
-    mpi = protocol == "mpi"
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        sched_file = os.path.join(tmp, "scheduler.json")
-        jobs = [start(["distributed.cli.dask_scheduler", "--protocol", protocol,
-                       "--port", "0", "--scheduler-file", sched_file, "--no-dashboard"], mpi)]
-        try:
-            worker = ["distributed.cli.dask_worker", "--scheduler-file", sched_file,
-                      "--no-nanny", "--nthreads", "1", "--no-dashboard",
-                      "--memory-limit", "0"]
-            jobs += [start(worker, mpi) for _ in range(workers)]
-            while not os.path.exists(sched_file):
-                time.sleep(0.1)
-            with Client(scheduler_file=sched_file, timeout=60) as client:
-                client.wait_for_workers(workers, timeout=60)
-                for name, (make, *args) in benchmarks(quick).items():
-                    times, moved = [], []
-                    for _ in range(repeat):
-                        graph = make(*args)
-                        before = transferred(client)
-                        start_time = time.perf_counter()
-                        client.compute(graph).result()
-                        times.append(time.perf_counter() - start_time)
-                        moved.append(transferred(client) - before)
-                        client.cancel(graph)
-                    wall = statistics.median(times)
-                    nbytes = statistics.median(moved)
-                    results[name] = {"wall_time": wall, "times": times,
-                                     "bytes_moved": nbytes, "throughput": nbytes / wall}
-            return results
-        finally:
-            for job in jobs:
-                os.killpg(job.pid, 9)
-                job.wait()
+    with cluster(protocol, workers, "--memory-limit", "0") as (sched_file, _):
+        with Client(scheduler_file=sched_file, timeout=60) as client:
+            client.wait_for_workers(workers, timeout=60)
+            for name, (make, *args) in benchmarks(quick).items():
+                times, moved = [], []
+                for _ in range(repeat):
+                    graph = make(*args)
+                    before = transferred(client)
+                    start = time.perf_counter()
+                    client.compute(graph).result()
+                    times.append(time.perf_counter() - start)
+                    moved.append(transferred(client) - before)
+                    client.cancel(graph)
+                wall = statistics.median(times)
+                nbytes = statistics.median(moved)
+                results[name] = {"wall_time": wall, "times": times,
+                                 "bytes_moved": nbytes, "throughput": nbytes / wall}
+    return results
 
 
 def plot(results: dict, out: str) -> None:

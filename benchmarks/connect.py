@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 
+from processes import kill, launch, wait_for_file
+
 HERE = os.path.abspath(__file__)
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 async def serve(protocol: str, path: str) -> None:
@@ -74,29 +75,20 @@ async def client(address: str, mode: str) -> dict:
     return {"init": init, "first": first, "next": statistics.median(times), "many_comms": many}
 
 
-def launch(args: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
-    cmd = [sys.executable, HERE, *args]
-    if mpi:
-        cmd = [MPIEXEC, "-n", "1", *cmd]
-    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
-
-
 def measure(protocol: str, processes: int) -> dict:
     mpi = protocol == "mpi"
+    pipe = {"stdout": subprocess.PIPE, "text": True}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "address")
-        server = launch(["serve", protocol, path], mpi)
+        server = launch([HERE, "serve", protocol, path], mpi)
         try:
-            while not os.path.exists(path):
-                time.sleep(0.05)
-            with open(path) as f:
-                address = f.read()
-            out = launch(["client", address, "all"], mpi, stdout=subprocess.PIPE, text=True)
+            address = wait_for_file(path, server)
+            out = launch([HERE, "client", address, "all"], mpi, **pipe)
             result = json.loads(out.communicate(timeout=600)[0].splitlines()[-1])
             # Processes start together; time from the earliest start to the last connection
             start = time.time()
             clients = [
-                launch(["client", address, "once"], mpi, stdout=subprocess.PIPE, text=True)
+                launch([HERE, "client", address, "once"], mpi, **pipe)
                 for _ in range(processes)
             ]
             done = [json.loads(c.communicate(timeout=600)[0].splitlines()[-1])["done"] for c in clients]
@@ -104,8 +96,7 @@ def measure(protocol: str, processes: int) -> dict:
             result["processes"] = processes
             return result
         finally:
-            os.killpg(server.pid, 9)
-            server.wait()
+            kill(server)
 
 
 def main() -> None:

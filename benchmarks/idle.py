@@ -15,25 +15,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-import tempfile
 import time
 
 import psutil
 
+from processes import cluster
+
 from distributed import Client
-
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-
-
-def start(args: list[str], mpi: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", *args]
-    if mpi:
-        cmd = [MPIEXEC, "-n", "1", *cmd]
-    return subprocess.Popen(
-        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
 
 def python_processes(job: subprocess.Popen) -> list[psutil.Process]:
     root = psutil.Process(job.pid)
@@ -46,33 +34,17 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def measure(protocol: str, seconds: float) -> dict:
-    mpi = protocol == "mpi"
-    with tempfile.TemporaryDirectory() as tmp:
-        sched_file = os.path.join(tmp, "scheduler.json")
-        jobs = [
-            start(["distributed.cli.dask_scheduler", "--protocol", protocol, "--port", "0",
-                   "--scheduler-file", sched_file, "--no-dashboard"], mpi)
-        ]
-        try:
-            worker = ["distributed.cli.dask_worker", "--scheduler-file", sched_file,
-                      "--no-nanny", "--nthreads", "1", "--no-dashboard"]
-            jobs += [start(worker, mpi) for _ in range(2)]
-            while not os.path.exists(sched_file):
-                time.sleep(0.1)
-            with Client(scheduler_file=sched_file, timeout=60) as client:
-                client.wait_for_workers(2, timeout=60)
-                assert client.submit(sum, [1, 2]).result() == 3
-                procs = [p for job in jobs for p in python_processes(job)]
-                time.sleep(2)  # let start-up settle
-                before = cpu_seconds(procs)
-                time.sleep(seconds)
-                used = cpu_seconds(procs) - before
-            return {"cpu_seconds": used, "seconds": seconds, "processes": len(procs),
-                    "cpu_percent_per_process": 100 * used / seconds / len(procs)}
-        finally:
-            for job in jobs:
-                os.killpg(job.pid, 9)
-                job.wait()
+    with cluster(protocol, 2) as (sched_file, jobs):
+        with Client(scheduler_file=sched_file, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            assert client.submit(sum, [1, 2]).result() == 3
+            procs = [p for job in jobs for p in python_processes(job)]
+            time.sleep(2)  # let start-up settle
+            before = cpu_seconds(procs)
+            time.sleep(seconds)
+            used = cpu_seconds(procs) - before
+    return {"cpu_seconds": used, "seconds": seconds, "processes": len(procs),
+            "cpu_percent_per_process": 100 * used / seconds / len(procs)}
 
 
 def main() -> None:

@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 
+from processes import MPIEXEC, kill, launch, wait_for_file
+
 HERE = os.path.abspath(__file__)
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def sizes(quick: bool) -> list[int]:
@@ -109,33 +110,19 @@ def raw(quick: bool) -> None:
         print(json.dumps(results))
 
 
-def _launch(args: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
-    cmd = [sys.executable, HERE, *args]
-    if mpi:
-        cmd = [MPIEXEC, "-n", "1", *cmd]
-    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
-
-
 def run_protocol(protocol: str, quick: bool) -> dict:
+    mpi = protocol == "mpi"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "address")
-        mpi = protocol == "mpi"
-        server = _launch(["serve", protocol, path], mpi)
+        server = launch([HERE, "serve", protocol, path], mpi)
         try:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(path):
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"{protocol} server did not start")
-                time.sleep(0.05)
-            with open(path) as f:
-                address = f.read()
-            args = ["client", address] + (["--quick"] if quick else [])
-            out = _launch(args, mpi, stdout=subprocess.PIPE, text=True)
-            stdout, _ = out.communicate(timeout=1800)
+            address = wait_for_file(path, server)
+            args = [HERE, "client", address] + (["--quick"] if quick else [])
+            client_proc = launch(args, mpi, stdout=subprocess.PIPE, text=True)
+            stdout, _ = client_proc.communicate(timeout=1800)
             return json.loads(stdout.strip().splitlines()[-1])
         finally:
-            os.killpg(server.pid, 9)
-            server.wait()
+            kill(server)
 
 
 def versions() -> dict:

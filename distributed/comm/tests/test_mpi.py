@@ -16,7 +16,7 @@ np = pytest.importorskip("numpy")
 
 import dask
 
-from distributed import Client, Nanny, Scheduler, Worker
+from distributed import Client, Scheduler, Worker
 from distributed.comm import (
     CommClosedError,
     connect,
@@ -26,11 +26,10 @@ from distributed.comm import (
     listen,
     parse_address,
     resolve_address,
-    unparse_host_port,
 )
 from distributed.comm.registry import backends
-from distributed.core import Server, Status, rpc
-from distributed.protocol import Serialized, deserialize, serialize, to_serialize
+from distributed.core import Server, rpc
+from distributed.protocol import Serialized, deserialize, to_serialize
 from distributed.utils_test import gen_test, inc
 
 
@@ -41,6 +40,13 @@ async def echo(comm):
             await comm.write(await comm.read())
     except CommClosedError:
         pass
+
+
+async def assert_serves(listener):
+    comm = await connect(listener.contact_address)
+    await comm.write("still serving")
+    assert await comm.read() == "still serving"
+    await comm.close()
 
 
 def test_registered():
@@ -237,10 +243,7 @@ async def test_garbage_handshake_does_not_stop_listener():
             writer.write(garbage)
             await writer.drain()
             writer.close()
-        comm = await connect(listener.contact_address)
-        await comm.write("still serving")
-        assert await comm.read() == "still serving"
-        await comm.close()
+        await assert_serves(listener)
 
 
 @gen_test()
@@ -261,10 +264,7 @@ async def test_peer_with_another_mpi_library_is_refused():
         assert await reader.read() == b""  # and the connection is closed
         writer.close()
 
-        comm = await connect(listener.contact_address)
-        await comm.write("still serving")
-        assert await comm.read() == "still serving"
-        await comm.close()
+        await assert_serves(listener)
 
 
 @gen_test()

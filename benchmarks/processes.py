@@ -1,0 +1,60 @@
+"""Start the benchmarks' processes: under ``mpiexec -n 1`` for mpi://, in their
+own session so that a whole job can be killed, and always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def launch(argv: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
+    """``python <argv>``, as its own one-rank MPI job when ``mpi``"""
+    cmd = [sys.executable, *argv]
+    if mpi:
+        cmd = [MPIEXEC, "-n", "1", *cmd]
+    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} did not write {path}")
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read()
+
+
+@contextlib.contextmanager
+def cluster(protocol: str, workers: int, *worker_args: str):
+    """A scheduler and ``workers`` single-threaded workers, each a process of
+    its own; yields the scheduler file and the processes"""
+    mpi = protocol == "mpi"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    with tempfile.TemporaryDirectory() as tmp:
+        sched_file = os.path.join(tmp, "scheduler.json")
+        scheduler = ["-m", "distributed.cli.dask_scheduler", "--protocol", protocol,
+                     "--port", "0", "--scheduler-file", sched_file, "--no-dashboard"]
+        worker = ["-m", "distributed.cli.dask_worker", "--scheduler-file", sched_file,
+                  "--no-nanny", "--nthreads", "1", "--no-dashboard", *worker_args]
+        jobs = [launch(scheduler, mpi, **quiet)]
+        try:
+            jobs += [launch(worker, mpi, **quiet) for _ in range(workers)]
+            wait_for_file(sched_file, jobs[0])
+            yield sched_file, jobs
+        finally:
+            for job in jobs:
+                kill(job)
