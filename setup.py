@@ -44,7 +44,7 @@ setup(
     install_requires=meta["dependencies"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
-        "test": ["pytest", "pytest-timeout", "numpy"],
+        "test": ["pytest", "pytest-timeout", "numpy", "dask-mpi"],
     },
     entry_points={
         group: [f"{name} = {target}" for name, target in points.items()]

@@ -5,6 +5,7 @@ ranks of one ``mpiexec`` job."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -13,7 +14,7 @@ np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
 from distributed import Client
-from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
+from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +75,10 @@ def test_mpiexec_cluster_moves_data_between_workers(tmp_path):
             client.shutdown()
             assert workers.wait(60) == 0
         assert scheduler.wait(60) == 0
+
+
+def test_dask_mpi_script():
+    pytest.importorskip("dask_mpi")
+    script = os.path.join(os.path.dirname(__file__), "mpi_dask_mpi_script.py")
+    out = run_mpiexec(["-n", "4", sys.executable, script], timeout=100)
+    assert "dask-mpi result ok" in out
