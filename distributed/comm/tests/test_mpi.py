@@ -293,6 +293,18 @@ async def test_scheduler_port_and_worker_protocol():
 
 
 @gen_test()
+async def test_scheduler_on_mpi_and_tcp():
+    """Workers on mpi://, a client from outside the MPI job on tcp://"""
+    async with Scheduler(protocol=["mpi", "tcp"], port=[0, 0], dashboard_address=":0") as s:
+        mpi_address, tcp_address = s.listen_address, s.listeners[1].contact_address
+        assert mpi_address.startswith("mpi://") and tcp_address.startswith("tcp://")
+        async with Worker(mpi_address) as w:
+            assert w.address.startswith("mpi://")
+            async with Client(tcp_address, asynchronous=True) as c:
+                assert await c.submit(inc, 41) == 42
+
+
+@gen_test()
 async def test_cluster_in_one_process_moves_data_between_workers():
     da = pytest.importorskip("dask.array")
     async with Scheduler(protocol="mpi", dashboard_address=":0") as s:
