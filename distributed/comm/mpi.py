@@ -13,9 +13,10 @@ writes a byte to it to wake a receiver whose progress engine sleeps.
 
 One Dask message is, on the sender's tag:
 
-- a head: flags (u8), three padding bytes, the number of frames (u32) and
-  each frame's size (u64); the frames follow inside the head when the whole
-  message fits in ``distributed.comm.mpi.inline-size``;
+- a head: flags (u8), three padding bytes, the number of frames (u32), each
+  frame's size (u64) and where it lives (u8: 0 host memory, 1 a GPU); the
+  frames follow inside the head when the whole message fits in
+  ``distributed.comm.mpi.inline-size``;
 - otherwise one MPI message per ``chunk-size`` piece of each non-empty frame.
 
 A head with the CLOSE flag ends the stream.
@@ -253,10 +254,10 @@ class MPI(Comm):
                 channel.connect(port, _connect_timeout())
         except get_mpi().Exception as e:
             raise FatalCommClosedError(
-                f"MPI could not connect to {self._peer_addr}: {e}. The MPI "
-                "library must be able to connect processes that were started "
-                "separately (MPICH can; Open MPI 5 only ranks of one mpiexec "
-                "job); see the mpi:// documentation."
+                f"MPI could not connect to {self._peer_addr}: {e}. MPICH 5.0 "
+                "cannot connect two processes that were both started without "
+                "mpiexec (plain python, or a nanny's worker): start them with "
+                "mpiexec, workers with --no-nanny. See the mpi:// documentation."
             ) from e
 
     def _start(self, channel, recv_tag: int, send_tag: int) -> None:
@@ -306,13 +307,17 @@ class MPI(Comm):
 
             flags, nframes = _HEAD.unpack_from(head)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
+            offset = _HEAD.size + 8 * nframes
             if flags & _CLOSE:
                 self._reads_over = self._closed = True
                 self.abort()
                 raise CommClosedError(f"{self} closed by peer")
+            if any(head[offset : offset + nframes]):
+                self.abort()
+                raise CommClosedError(f"{self}: GPU frames are not supported yet")
+            offset += nframes
             if flags & _INLINE:
                 view = memoryview(head)
-                offset = _HEAD.size + 8 * nframes
                 frames = []
                 for size in sizes:
                     frames.append(view[offset : offset + size])
@@ -365,8 +370,14 @@ class MPI(Comm):
         frames = [ensure_memoryview(frame) for frame in frames]
         sizes = [frame.nbytes for frame in frames]
         nbytes = sum(sizes)
-        head = [_HEAD.pack(0, len(frames)), struct.pack(f"<{len(sizes)}Q", *sizes)]
-        if _HEAD.size + 8 * len(sizes) + nbytes <= self._inline_size:
+        # mpi:// comms do not use distributed's "cuda" serializers (yet), so
+        # every frame is in host memory: location 0
+        head = [
+            _HEAD.pack(0, len(frames)),
+            struct.pack(f"<{len(sizes)}Q", *sizes),
+            bytes(len(frames)),
+        ]
+        if _HEAD.size + 9 * len(sizes) + nbytes <= self._inline_size:
             head[0] = _HEAD.pack(_INLINE, len(frames))
             head.extend(frames)
             frames = []
