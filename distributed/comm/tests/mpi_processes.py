@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 
 def mpiexec_command() -> str:
     """The mpiexec of the MPI library next to this Python, else on PATH"""
@@ -30,6 +32,11 @@ class Job(subprocess.Popen):
     """An mpiexec job in its own process group"""
 
     def kill_all(self) -> None:
+        # Some launchers (Open MPI's) start ranks in sessions of their own
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.wait(30)
