@@ -246,12 +246,14 @@ class MPI(Comm):
             else:
                 port = (await _recv_handshake(stream))["port"]
                 await _send_handshake(stream, {"connecting": True})
+            # Both sides are about to call MPI: a peer that takes longer died
+            timeout = parse_timedelta(_config("channel-timeout"))
             if same_world:
                 channel.join(peer["world"][1])
             elif channel.role == ACCEPTOR:
-                channel.accept(port)
+                channel.accept(port, timeout)
             else:
-                channel.connect(port, _connect_timeout())
+                channel.connect(port, timeout)
         except get_mpi().Exception as e:
             raise FatalCommClosedError(
                 f"MPI could not connect to {self._peer_addr}: {e}. MPICH 5.0 "

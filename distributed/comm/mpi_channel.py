@@ -194,21 +194,23 @@ class Channel:
             n, self._next = self._next, (self._next + 1) % self._ntags
         return 4 * n + 2 * self.role
 
-    def accept(self, port: str) -> None:
-        """Open the channel; blocks until the peer connects to ``port``"""
+    def accept(self, port: str, timeout: float) -> None:
+        """Open the channel; blocks until the peer connects to ``port``, or
+        for ``timeout`` seconds (MPICH honours it; a peer that died in
+        between would block us forever otherwise)"""
         MPI = get_mpi()
+        info = _timeout_info(timeout)
         try:
-            self._opened(MPI.COMM_SELF.Accept(port))
+            self._opened(MPI.COMM_SELF.Accept(port, info))
         finally:
+            info.Free()
             MPI.Close_port(port)
 
     def connect(self, port: str, timeout: float) -> None:
         """Open the channel; blocks until the peer accepted, or ``timeout``"""
-        MPI = get_mpi()
-        info = MPI.Info.Create()
-        info.Set("timeout", str(max(1, round(timeout))))  # honoured by MPICH
+        info = _timeout_info(timeout)
         try:
-            self._opened(MPI.COMM_SELF.Connect(port, info))
+            self._opened(get_mpi().COMM_SELF.Connect(port, info))
         finally:
             info.Free()
 
@@ -235,6 +237,12 @@ class Channel:
 
     def __repr__(self):
         return f"<Channel {self.id} to {self.peer}>"
+
+
+def _timeout_info(timeout: float):
+    info = get_mpi().Info.Create()
+    info.Set("timeout", str(max(1, round(timeout))))
+    return info
 
 
 def self_channel() -> Channel:

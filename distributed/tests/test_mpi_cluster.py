@@ -82,3 +82,30 @@ def test_dask_mpi_script():
     script = os.path.join(os.path.dirname(__file__), "mpi_dask_mpi_script.py")
     out = run_mpiexec(["-n", "4", sys.executable, script], timeout=100)
     assert "dask-mpi result ok" in out
+
+
+def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
+    """Each worker is a job of its own: SIGKILL one while data moves; its
+    tasks are recomputed elsewhere and the result is right"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file)
+    with (
+        mpiexec(["-n", "1", *scheduler]) as sched,
+        mpiexec(["-n", "1", *worker]) as victim,
+        mpiexec(["-n", "1", *worker]),
+        mpiexec(["-n", "1", *worker]),
+    ):
+        wait_for_file(scheduler_file, sched)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(3, timeout=60)
+            x = da.random.RandomState(3).random((3000, 3000), chunks=(300, 300))
+            graph = (x + x.T).sum()
+            expected = graph.compute(scheduler="sync")
+            future = client.compute(graph)
+            while client.run(
+                lambda dask_worker: dask_worker.state.transfer_incoming_count_total
+            ) == dict.fromkeys(client.scheduler_info()["workers"], 0):
+                pass  # until data moves between workers
+            victim.kill_all()
+            assert np.isclose(future.result(timeout=60), expected)
+            assert len(client.scheduler_info()["workers"]) == 2
