@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -109,3 +110,32 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
             victim.kill_all()
             assert np.isclose(future.result(timeout=60), expected)
             assert len(client.scheduler_info()["workers"]) == 2
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_workers_join_and_leave(tmp_path):
+    """Workers started later by other mpiexec commands are used; one that
+    stops is forgotten; no restart of the scheduler"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file)
+    with mpiexec(["-n", "1", *scheduler]) as sched, mpiexec(["-n", "1", *worker]):
+        wait_for_file(scheduler_file, sched)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            assert client.submit(sum, [1, 2]).result() == 3
+            with mpiexec(["-n", "2", *worker]) as later:
+                client.wait_for_workers(3, timeout=60)
+                futures = client.map(_pid_after, [0.05] * 60, pure=False)
+                pids = set(client.gather(futures))
+                assert len(pids) == 3, "the new workers were not used"
+                later.terminate()  # SIGTERM: workers close and unregister
+                assert later.wait(60) is not None
+            deadline = time.monotonic() + 60
+            while len(client.scheduler_info()["workers"]) != 1:
+                assert time.monotonic() < deadline, "departed workers not forgotten"
+                time.sleep(0.1)
+            assert client.submit(sum, [3, 4]).result() == 7
