@@ -112,11 +112,6 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
             assert len(client.scheduler_info()["workers"]) == 2
 
 
-def _pid_after(seconds: float) -> int:
-    time.sleep(seconds)
-    return os.getpid()
-
-
 def test_workers_join_and_leave(tmp_path):
     """Workers started later by other mpiexec commands are used; one that
     stops is forgotten; no restart of the scheduler"""
@@ -129,7 +124,9 @@ def test_workers_join_and_leave(tmp_path):
             assert client.submit(sum, [1, 2]).result() == 3
             with mpiexec(["-n", "2", *worker]) as later:
                 client.wait_for_workers(3, timeout=60)
-                futures = client.map(_pid_after, [0.05] * 60, pure=False)
+                # A lambda travels by value: workers cannot import this module
+                pid_after = lambda seconds: (time.sleep(seconds), os.getpid())[1]  # noqa: E731
+                futures = client.map(pid_after, [0.05] * 60, pure=False)
                 pids = set(client.gather(futures))
                 assert len(pids) == 3, "the new workers were not used"
                 later.terminate()  # SIGTERM: workers close and unregister
