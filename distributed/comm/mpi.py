@@ -368,6 +368,9 @@ class MPI(Comm):
                 "recipient": self.remote_info,
                 **self.handshake_options,
             },
+            # Large frames travel in chunk-size pieces anyway, and shards would
+            # be copied together again on arrival: shard only to compress
+            frame_split_size=None if self.handshake_options.get("compression") else 2**62,
         )
         frames = [ensure_memoryview(frame) for frame in frames]
         sizes = [frame.nbytes for frame in frames]
