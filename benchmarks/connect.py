@@ -50,8 +50,10 @@ async def client(address: str, mode: str) -> dict:
     from distributed.comm import connect
 
     if mode == "once":  # one connection; wall clock start for many_processes
-        await connect(address)
-        return {"done": time.time()}
+        comm = await connect(address)
+        done = time.time()
+        await comm.close()
+        return {"done": done}
     init = 0.0
     if address.startswith("mpi://"):  # time MPI_Init apart from the connection
         from distributed.comm.mpi_channel import mpi_ready, start_mpi
@@ -75,6 +77,13 @@ async def client(address: str, mode: str) -> dict:
     return {"init": init, "first": first, "next": statistics.median(times), "many_comms": many}
 
 
+def last_json(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"a client printed no result: {stdout!r}")
+    return json.loads(lines[-1])
+
+
 def measure(protocol: str, processes: int) -> dict:
     mpi = protocol == "mpi"
     pipe = {"stdout": subprocess.PIPE, "text": True}
@@ -84,14 +93,14 @@ def measure(protocol: str, processes: int) -> dict:
         try:
             address = wait_for_file(path, server)
             out = launch([HERE, "client", address, "all"], mpi, **pipe)
-            result = json.loads(out.communicate(timeout=600)[0].splitlines()[-1])
+            result = last_json(out.communicate(timeout=600)[0])
             # Processes start together; time from the earliest start to the last connection
             start = time.time()
             clients = [
                 launch([HERE, "client", address, "once"], mpi, **pipe)
                 for _ in range(processes)
             ]
-            done = [json.loads(c.communicate(timeout=600)[0].splitlines()[-1])["done"] for c in clients]
+            done = [last_json(c.communicate(timeout=600)[0])["done"] for c in clients]
             result["many_processes"] = max(done) - start
             result["processes"] = processes
             return result
