@@ -37,7 +37,7 @@ from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_channel
 from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
-from distributed.comm.mpi_channel import ACCEPTOR, get_mpi
+from distributed.comm.mpi_channel import ACCEPTOR, config, get_mpi
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tcp import (
     BaseTCPBackend,
@@ -65,10 +65,6 @@ _MAX_HANDSHAKE = 64 * 1024
 # Bytes on the TCP connection after the handshake
 _DOORBELL = b"\x01"
 _CLOSING = b"\x00"
-
-
-def _config(key: str):
-    return dask.config.get(f"distributed.comm.mpi.{key}")
 
 
 def _connect_timeout() -> float:
@@ -146,11 +142,11 @@ class MPI(Comm):
         self.stream = stream
         self._local_addr = local_addr
         self._peer_addr = peer_addr
-        self._inline_size = parse_bytes(_config("inline-size"))
+        self._inline_size = parse_bytes(config("inline-size"))
         # Open MPI 5 has no large-count calls: keep each message below 2 GiB
-        self._chunk_size = min(parse_bytes(_config("chunk-size")), 2**31 - 1)
+        self._chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
         # A woken engine polls for idle-after: ring at least twice as often
-        self._ring_interval = parse_timedelta(_config("idle-after")) / 2
+        self._ring_interval = parse_timedelta(config("idle-after")) / 2
         self._rung = float("-inf")
         self._channel: mpi_channel.Channel | None = None
         self._engine: ProgressEngine | None = None
@@ -247,7 +243,7 @@ class MPI(Comm):
                 port = (await _recv_handshake(stream))["port"]
                 await _send_handshake(stream, {"connecting": True})
             # Both sides are about to call MPI: a peer that takes longer died
-            timeout = parse_timedelta(_config("channel-timeout"))
+            timeout = parse_timedelta(config("channel-timeout"))
             if same_world:
                 channel.join(peer["world"][1])
             elif channel.role == ACCEPTOR:

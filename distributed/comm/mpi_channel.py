@@ -36,6 +36,8 @@ import sys
 import threading
 import uuid
 
+import dask
+
 logger = logging.getLogger(__name__)
 
 _init: concurrent.futures.Future | None = None
@@ -150,6 +152,11 @@ def process_id() -> str:
         pid = os.getpid()
         _process = (pid, f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}")
     return _process[1]
+
+
+def config(key: str):
+    """The ``distributed.comm.mpi`` setting ``key``"""
+    return dask.config.get(f"distributed.comm.mpi.{key}")
 
 
 def world() -> tuple[str, int] | None:

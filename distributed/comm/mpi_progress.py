@@ -29,7 +29,7 @@ import dask
 from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_channel import get_mpi
+from distributed.comm.mpi_channel import config, get_mpi
 
 
 class ProgressEngine:
@@ -47,9 +47,6 @@ class ProgressEngine:
             return engine
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        def config(key):
-            return dask.config.get(f"distributed.comm.mpi.{key}")
-
         self.busy = config("progress-mode") == "busy"
         self.busy_poll_time = parse_timedelta(config("busy-poll-time"))
         self.poll_interval = parse_timedelta(config("poll-interval"))
