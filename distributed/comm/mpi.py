@@ -252,10 +252,7 @@ class MPI(Comm):
                 channel.connect(port, timeout)
         except get_mpi().Exception as e:
             raise FatalCommClosedError(
-                f"MPI could not connect to {self._peer_addr}: {e}. MPICH 5.0 "
-                "cannot connect two processes that were both started without "
-                "mpiexec (plain python, or a nanny's worker): start them with "
-                "mpiexec, workers with --no-nanny. See the mpi:// documentation."
+                f"MPI could not connect to {self._peer_addr}: {e}"
             ) from e
 
     def _start(self, channel, recv_tag: int, send_tag: int) -> None:

@@ -38,6 +38,8 @@ import uuid
 
 import dask
 
+from distributed.comm import mpi_pmi
+
 logger = logging.getLogger(__name__)
 
 _init: concurrent.futures.Future | None = None
@@ -59,8 +61,10 @@ def _initialize():
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
-        # mpi4py would hold the GIL in MPI_Init; ctypes lets go of it, so
-        # this process goes on while MPI_Init waits for the other ranks.
+        mpi_pmi.prepare_environment(MPI.Get_library_version())
+        # mpi4py would hold the GIL in MPI_Init and MPI_Finalize; ctypes lets
+        # go of it, so this process goes on while MPI_Init waits for the
+        # other ranks, and a process manager thread (mpi_pmi) can answer.
         provided = ctypes.c_int()
         init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
         if init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided)):
@@ -91,7 +95,8 @@ def _finalize(MPI) -> None:
             nbytes = status.Get_count(MPI.BYTE)
             if nbytes <= 65536:  # larger ones may wait for a sender that is gone
                 message.Recv(bytearray(nbytes))
-    MPI.Finalize()
+    ctypes.CDLL(MPI.__file__).MPI_Finalize()
+    mpi_pmi.finalized()
 
 
 def start_mpi() -> concurrent.futures.Future:

@@ -1,0 +1,114 @@
+"""A process manager of one, for processes started without ``mpiexec``.
+
+MPICH 5.0 gives every process started without a process manager (a
+"singleton": plain ``python``, a nanny's worker, a ``LocalCluster`` worker)
+the same job name, "singinit", and then refuses to connect two of them,
+taking them for one process (pmodels/mpich#7805).  Before MPI_Init such a
+process serves the PMI-1 wire protocol to itself from a thread, as the
+process manager of a job of one with a name of its own; MPICH then connects
+it to other processes as it would a job started with ``mpiexec -n 1``.
+
+A process inherits its parent's process manager variables, which name a
+connection that is not its own, when a rank of an ``mpiexec`` job starts it
+(a nanny starting its worker); those are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+import uuid
+
+logger = logging.getLogger(__name__)
+
+# Set by a process that uses its process manager, for its children to see
+_USER = "DASK_MPI_PMI_USER"
+
+_server: socket.socket | None = None  # this process's end, when it serves
+
+
+def prepare_environment(library_version: str) -> None:
+    """Call before MPI_Init: make the process manager variables this
+    process's own, serving them from a thread when nobody else does"""
+    env = os.environ
+    if _has_process_manager():
+        env[_USER] = str(os.getpid())
+        return
+    for key in [k for k in env if k.startswith(("PMI_", "PMIX_"))]:
+        del env[key]
+    if library_version.startswith("MPICH"):
+        _serve_self()
+
+
+def _has_process_manager() -> bool:
+    env = os.environ
+    if env.get(_USER) == str(os.getppid()):
+        return False  # the variables are the parent's
+    if "PMI_FD" in env:  # Hydra's ranks, and srun --mpi=pmi2
+        try:
+            return stat.S_ISSOCK(os.fstat(int(env["PMI_FD"])).st_mode)
+        except (OSError, ValueError):
+            return False
+    return "PMI_PORT" in env or "PMIX_NAMESPACE" in env
+
+
+def finalized() -> None:
+    """Call after MPI_Finalize.  MPICH sends its last request, finalize,
+    from a C exit handler, once Python has stopped the serving thread:
+    answer it in advance."""
+    if _server is not None:
+        with contextlib.suppress(OSError):
+            _server.sendall(b"cmd=finalize_ack rc=0\n")
+
+
+def _serve_self() -> None:
+    global _server
+    _server, theirs = socket.socketpair()
+    ours = _server
+    job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
+    threading.Thread(
+        target=_serve, args=(ours, job), name="MPI-process-manager", daemon=True
+    ).start()
+
+
+def _serve(sock: socket.socket, job: str) -> None:
+    """Answer the PMI-1 requests of MPI_Init, MPI_Finalize and the like"""
+    kvs: dict[str, str] = {"PMI_process_mapping": "(vector,(0,1,1))"}
+    replies = {
+        "init": "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1",
+        "get_maxes": "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024",
+        "get_appnum": "cmd=appnum rc=0 appnum=0",
+        "get_my_kvsname": f"cmd=my_kvsname rc=0 kvsname={job}",
+        "get_universe_size": "cmd=universe_size rc=0 size=1",
+        "barrier_in": "cmd=barrier_out rc=0",
+        "finalize": "cmd=finalize_ack rc=0",
+    }
+    with sock, sock.makefile("rwb", buffering=0) as f:
+        for line in f:
+            request = dict(
+                field.split("=", 1) for field in line.decode().split() if "=" in field
+            )
+            cmd = request.get("cmd", "")
+            if cmd == "put":
+                kvs[request["key"]] = request.get("value", "")
+                reply = "cmd=put_result rc=0"
+            elif cmd == "get":
+                value = kvs.get(request.get("key", ""))
+                reply = (
+                    f"cmd=get_result rc=0 value={value}"
+                    if value is not None
+                    else "cmd=get_result rc=-1 msg=key_not_found"
+                )
+            elif cmd in replies:
+                reply = replies[cmd]
+            else:  # spawn, publish_name, ...: a job of one cannot
+                logger.warning("MPI asked its process manager for %r", line)
+                reply = f"cmd={cmd} rc=-1 msg=unsupported"
+            f.write(reply.encode() + b"\n")
+            if cmd == "finalize":
+                return
