@@ -61,7 +61,6 @@ def _initialize():
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
-        mpi_pmi.prepare_environment(MPI.Get_library_version())
         # mpi4py would hold the GIL in MPI_Init and MPI_Finalize; ctypes lets
         # go of it, so this process goes on while MPI_Init waits for the
         # other ranks, and a process manager thread (mpi_pmi) can answer.
@@ -119,6 +118,11 @@ def start_mpi() -> concurrent.futures.Future:
                 ) from e
             if "mpi4py.MPI" not in sys.modules:
                 mpi4py.rc.initialize = False  # _initialize does it
+            from mpi4py import MPI
+
+            # Now, not in the helper thread: a nanny may start its worker
+            # process next, and that inherits the environment
+            mpi_pmi.prepare_environment(MPI)
             _init = concurrent.futures.Future()
             threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
     return _init

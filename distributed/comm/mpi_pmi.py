@@ -19,40 +19,40 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 import threading
 import uuid
 
 logger = logging.getLogger(__name__)
 
-# Set by a process that uses its process manager, for its children to see
+# The process whose process manager the PMI variables name, for children
 _USER = "DASK_MPI_PMI_USER"
 
 _server: socket.socket | None = None  # this process's end, when it serves
 
 
-def prepare_environment(library_version: str) -> None:
+def prepare_environment(MPI) -> None:
     """Call before MPI_Init: make the process manager variables this
     process's own, serving them from a thread when nobody else does"""
     env = os.environ
-    if _has_process_manager():
-        env[_USER] = str(os.getpid())
-        return
-    for key in [k for k in env if k.startswith(("PMI_", "PMIX_"))]:
-        del env[key]
-    if library_version.startswith("MPICH"):
-        _serve_self()
+    if not MPI.Is_initialized() and not _has_process_manager():
+        for key in [k for k in env if k.startswith(("PMI_", "PMIX_"))]:
+            del env[key]
+        if MPI.Get_library_version().startswith("MPICH"):
+            _serve_self()
+    env[_USER] = str(os.getpid())
 
 
 def _has_process_manager() -> bool:
     env = os.environ
     if env.get(_USER) == str(os.getppid()):
         return False  # the variables are the parent's
-    if "PMI_FD" in env:  # Hydra's ranks, and srun --mpi=pmi2
+    if "PMI_FD" in env:  # Hydra's ranks, and srun --mpi=pmi2: a socketpair
         try:
-            return stat.S_ISSOCK(os.fstat(int(env["PMI_FD"])).st_mode)
+            fd = os.dup(int(env["PMI_FD"]))
         except (OSError, ValueError):
             return False
+        with socket.socket(fileno=fd) as sock:
+            return sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM
     return "PMI_PORT" in env or "PMIX_NAMESPACE" in env
 
 

@@ -1,12 +1,26 @@
 """A dask-mpi script on protocol="mpi": ``mpiexec -n 4 python this.py``.
-Rank 0 runs the scheduler, rank 1 this client code, the other ranks workers."""
+Rank 0 runs the scheduler, rank 1 this client code, the other ranks workers.
+
+With ``subcomm``, ``mpiexec -n 5 python this.py subcomm``: ranks 0-3 make
+the Dask cluster over a communicator of their own, rank 4 stays outside it."""
+
+import sys
 
 import dask.array as da
 from dask_mpi import initialize
+from mpi4py import MPI
 
 from distributed import Client
 
-initialize(protocol="mpi", nthreads=1, dashboard=False)
+comm = None
+if "subcomm" in sys.argv:
+    world = MPI.COMM_WORLD
+    comm = world.Split(int(world.rank >= 4), world.rank)
+    if world.rank >= 4:
+        print("outside the cluster", flush=True)
+        sys.exit(0)
+
+initialize(protocol="mpi", nthreads=1, dashboard=False, comm=comm)
 
 with Client() as client:
     assert client.scheduler.address.startswith("mpi://")

@@ -1,47 +1,93 @@
-"""A whole cluster on protocol="mpi", this test process as the client: the
-scheduler and the workers started by separate ``mpiexec`` commands, or as
-ranks of one ``mpiexec`` job."""
+"""A whole cluster on protocol="mpi", started in each of the ways people
+start Dask on an MPI machine, this test process as the client: the scheduler
+and the workers started by separate ``mpiexec`` commands, or as ranks of one
+``mpiexec`` job, by dask-mpi, or by a LocalCluster without ``mpiexec``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
-from distributed import Client
+from distributed import Client, LocalCluster
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def scheduler_and_workers(scheduler_file: str) -> tuple[list[str], list[str]]:
+def scheduler_and_workers(
+    scheduler_file: str, nanny: bool = False
+) -> tuple[list[str], list[str]]:
     scheduler = ["-m", "distributed.cli.dask_scheduler", "--protocol", "mpi"]
     scheduler += ["--port", "0", "--scheduler-file", scheduler_file, "--no-dashboard"]
     worker = ["-m", "distributed.cli.dask_worker", "--scheduler-file", scheduler_file]
-    worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
-    return scheduler, worker
+    worker += ["--nanny" if nanny else "--no-nanny", "--nthreads", "1"]
+    return scheduler, [*worker, "--no-dashboard"]
+
+
+def assert_moves_data(client) -> None:
+    """Compute something that needs data from other workers; check the result"""
+    x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
+    expected = (x + x.T).sum().compute(scheduler="sync")
+    assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
+    incoming = client.run(
+        lambda dask_worker: dask_worker.state.transfer_incoming_count_total
+    )
+    assert sum(incoming.values()) > 0, "no data moved between workers"
+
+
+def processes_of(job) -> list[psutil.Process]:
+    """The processes a job started (mpiexec's proxies, ranks, their children)"""
+    return psutil.Process(job.pid).children(recursive=True)
+
+
+def assert_gone(processes: list[psutil.Process], timeout: float = 30) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    assert not alive, f"processes left behind: {alive}"
 
 
 def test_one_mpiexec_job(tmp_path):
-    """The README's example: scheduler and workers are ranks of one job, and
-    MPI_Init in each waits for all of them"""
+    """The README's example: scheduler and workers (with nannies) are ranks of
+    one job, and MPI_Init in each waits for all of them; client.shutdown()
+    ends every process"""
     scheduler_file = str(tmp_path / "scheduler.json")
-    scheduler, worker = scheduler_and_workers(scheduler_file)
+    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
     with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
         wait_for_file(scheduler_file, job)
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(2, timeout=60)
-            x = da.random.RandomState(0).random((1000, 1000), chunks=(250, 250))
-            expected = (x + x.T).sum().compute(scheduler="sync")
-            assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
+            workers = client.scheduler_info()["workers"].values()
+            assert all(w["nanny"].startswith("mpi://") for w in workers)
+            assert_moves_data(client)
+            processes = processes_of(job)
             client.shutdown()
         assert job.wait(60) == 0
+        assert_gone(processes)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """Ctrl-C in the terminal of ``mpiexec``: SIGINT to its process group"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
+    with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
+        wait_for_file(scheduler_file, job)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            assert client.submit(sum, [1, 2]).result() == 3
+            processes = processes_of(job)
+            assert len(processes) >= 5  # scheduler, 2 nannies, 2 workers
+            os.killpg(job.pid, signal.SIGINT)
+            assert job.wait(60) is not None
+            assert_gone(processes)
 
 
 def test_mpiexec_cluster_moves_data_between_workers(tmp_path):
@@ -61,28 +107,78 @@ def test_mpiexec_cluster_moves_data_between_workers(tmp_path):
             pids |= {client.run_on_scheduler(os.getpid), os.getpid()}
             assert len(pids) == 4
 
+            assert_moves_data(client)
             x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
-            expected = (x + x.T).sum().compute(scheduler="sync")
-            assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
             expected = x.dot(x.T)[:10, :10].compute(scheduler="sync")
             got = client.compute(x.dot(x.T)[:10, :10]).result()
             np.testing.assert_allclose(got, expected)
-
-            incoming = client.run(
-                lambda dask_worker: dask_worker.state.transfer_incoming_count_total
-            )
-            assert sum(incoming.values()) > 0, "no data moved between workers"
 
             client.shutdown()
             assert workers.wait(60) == 0
         assert scheduler.wait(60) == 0
 
 
-def test_dask_mpi_script():
+@pytest.mark.parametrize("ranks,args", [(4, []), (5, ["subcomm"])])
+def test_dask_mpi_script(ranks, args):
+    """``initialize(protocol="mpi")``, on COMM_WORLD or on a communicator
+    of some of the ranks; the job ends when the client code does"""
     pytest.importorskip("dask_mpi")
     script = os.path.join(os.path.dirname(__file__), "mpi_dask_mpi_script.py")
-    out = run_mpiexec(["-n", "4", sys.executable, script], timeout=100)
+    out = run_mpiexec(["-n", str(ranks), sys.executable, script, *args], timeout=100)
     assert "dask-mpi result ok" in out
+    assert ("outside the cluster" in out) == bool(args)
+
+
+def test_dask_mpi_command(tmp_path):
+    """``mpiexec -n 4 dask-mpi --protocol mpi``: its workers have nannies,
+    whose worker processes are not MPI ranks; a client from elsewhere"""
+    pytest.importorskip("dask_mpi")
+    scheduler_file = str(tmp_path / "scheduler.json")
+    dask_mpi = ["-m", "dask_mpi.cli", "--protocol", "mpi"]
+    dask_mpi += ["--scheduler-file", scheduler_file, "--no-dashboard"]
+    with mpiexec(["-n", "4", *dask_mpi, "--nthreads", "1"]) as job:
+        wait_for_file(scheduler_file, job)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(3, timeout=60)
+            workers = client.scheduler_info()["workers"].values()
+            assert all(w["nanny"].startswith("mpi://") for w in workers)
+            assert_moves_data(client)
+            processes = processes_of(job)
+            client.shutdown()
+        assert job.wait(60) is not None
+        assert_gone(processes)
+
+
+@pytest.mark.parametrize("start", ["LocalCluster", "Client"])
+def test_local_cluster(start):
+    """No mpiexec: worker processes spawned by the cluster (through nannies);
+    the cluster scales up and down"""
+    kwargs = dict(protocol="mpi", n_workers=2, threads_per_worker=1)
+    kwargs.update(dashboard_address=":0")
+    with contextlib.ExitStack() as stack:
+        if start == "LocalCluster":
+            cluster = stack.enter_context(LocalCluster(**kwargs))
+            client = stack.enter_context(Client(cluster))
+        else:
+            client = stack.enter_context(Client(**kwargs))
+            cluster = client.cluster
+        assert client.scheduler.address.startswith("mpi://")
+        client.wait_for_workers(2, timeout=60)
+        assert_moves_data(client)
+
+        cluster.scale(3)
+        client.wait_for_workers(3, timeout=60)
+        pids = set(client.run(os.getpid).values())
+        assert len(pids) == 3
+        processes = [psutil.Process(pid) for pid in pids]
+        assert_moves_data(client)
+        cluster.scale(1)
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info()["workers"]) != 1:
+            assert time.monotonic() < deadline, "workers not retired"
+            time.sleep(0.1)
+        assert client.submit(sum, [1, 2]).result() == 3
+    assert_gone(processes)
 
 
 def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
