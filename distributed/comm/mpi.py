@@ -118,8 +118,9 @@ def _incompatibility(peer: dict) -> str | None:
         # It would hang in MPI_Comm_connect rather than fail
         return (
             "Open MPI cannot connect processes of different mpiexec jobs, nor "
-            "processes not started by mpiexec: start them all in one mpiexec "
-            "job, or use MPICH"
+            "processes not started by mpiexec (a nanny's worker process is "
+            "not): start them all in one mpiexec job, workers with --no-nanny "
+            "(dask-mpi: --worker-class distributed.Worker), or use MPICH"
         )
     return None
 

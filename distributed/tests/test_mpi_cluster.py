@@ -6,6 +6,7 @@ and the workers started by separate ``mpiexec`` commands, or as ranks of one
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,8 @@ np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
 from distributed import Client, LocalCluster
+from distributed.comm import get_address_host
+from distributed.utils import open_port
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,6 +46,14 @@ def assert_moves_data(client) -> None:
         lambda dask_worker: dask_worker.state.transfer_incoming_count_total
     )
     assert sum(incoming.values()) > 0, "no data moved between workers"
+
+
+def wait_for_transfers(client) -> None:
+    """Until data moves between workers"""
+    while client.run(
+        lambda dask_worker: dask_worker.state.transfer_incoming_count_total
+    ) == dict.fromkeys(client.scheduler_info()["workers"], 0):
+        time.sleep(0.01)
 
 
 def processes_of(job) -> list[psutil.Process]:
@@ -199,13 +210,49 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
             graph = (x + x.T).sum()
             expected = graph.compute(scheduler="sync")
             future = client.compute(graph)
-            while client.run(
-                lambda dask_worker: dask_worker.state.transfer_incoming_count_total
-            ) == dict.fromkeys(client.scheduler_info()["workers"], 0):
-                pass  # until data moves between workers
+            wait_for_transfers(client)
             victim.kill_all()
             assert np.isclose(future.result(timeout=60), expected)
             assert len(client.scheduler_info()["workers"]) == 2
+
+
+def test_killed_worker_process_in_one_job(tmp_path):
+    """In one mpiexec job a rank that dies ends the job, but a nanny's worker
+    process is no rank: SIGKILL one while data moves; the nanny starts a new
+    one, its tasks are recomputed and the result is right"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
+    with mpiexec(["-n", "1", *scheduler, ":", "-n", "3", *worker]) as job:
+        wait_for_file(scheduler_file, job)
+        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+            client.wait_for_workers(3, timeout=60)
+            victim = next(iter(client.run(os.getpid).values()))
+            x = da.random.RandomState(3).random((3000, 3000), chunks=(300, 300))
+            graph = (x + x.T).sum()
+            expected = graph.compute(scheduler="sync")
+            future = client.compute(graph)
+            wait_for_transfers(client)
+            os.kill(victim, signal.SIGKILL)
+            assert np.isclose(future.result(timeout=60), expected)
+            client.wait_for_workers(3, timeout=60)
+            assert victim not in client.run(os.getpid).values()
+            assert job.poll() is None
+
+
+def test_scheduler_on_mpi_and_tcp(tmp_path):
+    """Workers on mpi://, a client from outside the MPI job on tcp://"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file)
+    scheduler[scheduler.index("--protocol") + 1] = "mpi,tcp"
+    scheduler[scheduler.index("--port") + 1] = f"{open_port()},{(tcp := open_port())}"
+    with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
+        host = get_address_host(json.loads(wait_for_file(scheduler_file, job))["address"])
+        with Client(f"tcp://{host}:{tcp}", timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            assert all(a.startswith("mpi://") for a in client.scheduler_info()["workers"])
+            assert_moves_data(client)
+            client.shutdown()
+        assert job.wait(60) == 0
 
 
 def test_workers_join_and_leave(tmp_path):
