@@ -31,21 +31,42 @@ def _env() -> dict:
 class Job(subprocess.Popen):
     """An mpiexec job in its own process group"""
 
-    def kill_all(self) -> None:
+    def crash(self) -> None:
+        """SIGKILL the job's Python processes, as a crash would; mpiexec
+        sees them die and cleans up after them"""
+        for process in self._descendants():
+            with contextlib.suppress(psutil.Error):
+                if process.name().startswith("python"):
+                    process.kill()
+        self.wait(30)
+
+    def stop(self) -> None:
+        """Ctrl-C, then SIGKILL for whatever is left after a while (mpiexec
+        leaves files in /tmp when it is killed)"""
+        processes = self._descendants()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(10)
         # Some launchers (Open MPI's) start ranks in sessions of their own
-        with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    child.kill()
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.wait(30)
+
+    def _descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
 
 
 @contextlib.contextmanager
 def mpiexec(args: list[str], **kwargs):
     """Run ``mpiexec <args>``, where ``-m module`` runs with this Python;
-    kill the whole job on exit"""
+    stop the whole job on exit"""
     args = [a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])]
     proc = Job(
         [mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs
@@ -54,7 +75,7 @@ def mpiexec(args: list[str], **kwargs):
         yield proc
     finally:
         if proc.poll() is None:
-            proc.kill_all()
+            proc.stop()
 
 
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:

@@ -64,7 +64,7 @@ async def test_killed_peer_fails_pending_read(server):
     await comm.write("hello")
     assert await comm.read() == "hello"
     pending = asyncio.ensure_future(comm.read())
-    proc.kill_all()
+    proc.crash()
     with pytest.raises(CommClosedError):
         await asyncio.wait_for(pending, 30)
     with pytest.raises(CommClosedError):
