@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import os
@@ -37,6 +38,7 @@ import threading
 import uuid
 
 import dask
+import psutil
 
 from distributed.comm import mpi_pmi
 
@@ -179,9 +181,19 @@ def world() -> tuple[str, int] | None:
         job = env["PMIX_NAMESPACE"]
     elif "SLURM_STEP_ID" in env:
         job = f"slurm/{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    else:  # ranks on one host share their launcher's proxy (Hydra)
-        job = f"{socket.gethostname()}/{os.getppid()}"
+    else:  # ranks on one host share their job's proxy (Hydra)
+        job = f"{socket.gethostname()}/{_launcher_pid()}"
     return f"{job}/{comm.size}", comm.rank
+
+
+def _launcher_pid() -> int:
+    """Hydra's proxy that started this process, perhaps through a wrapper
+    script (``mpiexec -n 4 ./run.sh``); else the parent process"""
+    for parent in psutil.Process().parents():
+        with contextlib.suppress(psutil.Error):
+            if parent.name().startswith("hydra_pmi_prox"):
+                return parent.pid
+    return os.getppid()
 
 
 def library() -> str:

@@ -5,6 +5,7 @@ to each other."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -88,3 +89,14 @@ async def test_frame_larger_than_2_gib(server):
     got = await comm.read()
     assert got == {"sum": 2_500_000_006, "nbytes": 2_500_000_000}
     await comm.close()
+
+
+def test_ranks_behind_a_wrapper_script_know_they_are_one_job():
+    """``mpiexec -n 2 ./run.sh``: ranks of one job that are not the
+    launcher's children still open channels as one job (MPI_Comm_create_group);
+    accept/connect between them moved large messages 100x slower"""
+    code = "from distributed.comm import mpi_channel as m; m.start_mpi().result(); print(m.world())"
+    out = run_mpiexec(["-n", "2", "sh", "-c", f'{sys.executable} -c "{code}"; true'])
+    worlds = sorted(line for line in out.splitlines() if line.startswith("("))
+    assert len(worlds) == 2
+    assert worlds[0].rsplit(",", 1)[0] == worlds[1].rsplit(",", 1)[0], worlds
