@@ -125,6 +125,23 @@ def run_protocol(protocol: str, quick: bool) -> dict:
             kill(server)
 
 
+def run_one_job(quick: bool) -> dict:
+    """mpi:// between the two ranks of one ``mpiexec`` job, as raw mpi4py is"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "address")
+        client_args = ["client", "@" + path] + (["--quick"] if quick else [])
+        cmd = [MPIEXEC, "-n", "1", sys.executable, HERE, "serve", "mpi", path]
+        cmd += [":", "-n", "1", sys.executable, HERE, *client_args]
+        job = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, text=True)
+        try:
+            for line in job.stdout:  # the client's result; the server serves on
+                if line.startswith("{"):
+                    return json.loads(line)
+            raise RuntimeError(f"{cmd} printed no result")
+        finally:
+            kill(job)
+
+
 def versions() -> dict:
     import dask
     import mpi4py
@@ -186,6 +203,8 @@ def main() -> None:
     for protocol in protocols:
         print(f"{protocol}://", file=sys.stderr)
         results["transports"][f"{protocol}://"] = run_protocol(protocol, args.quick)
+    print("mpi:// in one job", file=sys.stderr)
+    results["transports"]["mpi:// one job"] = run_one_job(args.quick)
     cmd = [MPIEXEC, "-n", "2", sys.executable, HERE, "raw"] + (["--quick"] if args.quick else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
     results["transports"]["raw mpi4py"] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -211,7 +230,10 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         asyncio.run(serve(sys.argv[2], sys.argv[3]))
     elif sys.argv[1:2] == ["client"]:
-        print(json.dumps(asyncio.run(client(sys.argv[2], "--quick" in sys.argv))))
+        address = sys.argv[2]
+        if address.startswith("@"):  # the server's rank writes it there
+            address = wait_for_file(address[1:], None)
+        print(json.dumps(asyncio.run(client(address, "--quick" in sys.argv))), flush=True)
     elif sys.argv[1:2] == ["raw"]:
         raw("--quick" in sys.argv)
     else:

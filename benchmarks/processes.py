@@ -28,10 +28,10 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str:
+def wait_for_file(path: str, proc: subprocess.Popen | None, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        if time.monotonic() > deadline or proc.poll() is not None:
+        if time.monotonic() > deadline or (proc and proc.poll() is not None):
             raise RuntimeError(f"{proc.args} did not write {path}")
         time.sleep(0.05)
     with open(path) as f:

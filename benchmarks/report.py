@@ -24,13 +24,15 @@ def load(out: str, name: str) -> dict | None:
 def pingpong_lines(pp: dict) -> list[str]:
     t = pp["transports"]
     names = list(t)
-    lines = ["| size | " + " | ".join(names) + " | mpi/tcp | mpi/raw |",
+    # raw mpi4py runs as two ranks of one job: compare it with mpi:// there
+    job = t.get("mpi:// one job", t["mpi://"])
+    lines = ["| size | " + " | ".join(names) + " | mpi/tcp | mpi one job/raw |",
              "|---:|" + "---:|" * (len(names) + 2)]
     for key in t["tcp://"]:
         cells = [f"{t[n][key] * 1e6:.1f} us" if key in t[n] else "" for n in names]
         ratio = t["mpi://"][key] / t["tcp://"][key]
         raw = t["raw mpi4py"].get(key)
-        cells += [f"{ratio:.2f}", f"{t['mpi://'][key] / raw:.1f}" if raw else ""]
+        cells += [f"{ratio:.2f}", f"{job[key] / raw:.1f}" if raw else ""]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines
 
@@ -43,13 +45,14 @@ def targets(pp: dict | None, apps: dict | None, idle: dict | None) -> list[str]:
         large = [k for k in t["tcp://"] if k != "dict" and int(k) >= 2**24]
         ratio = statistics.median(t["mpi://"][k] / t["tcp://"][k] for k in small)
         lines.append(f"| small messages: mpi latency <= 1/4 of tcp | {ratio:.2f} of tcp (median over 1 B - 1 KiB) | {'yes' if ratio <= 0.25 else 'no'} |")
-        raw = statistics.median(t["mpi://"][k] / t["raw mpi4py"][k] for k in small)
-        lines.append(f"| small messages: mpi latency <= 3x raw mpi4py | {raw:.0f}x raw | {'yes' if raw <= 3 else 'no'} |")
+        job = t.get("mpi:// one job", t["mpi://"])  # raw mpi4py's setting
+        raw = statistics.median(job[k] / t["raw mpi4py"][k] for k in small)
+        lines.append(f"| small messages: mpi latency <= 3x raw mpi4py | {raw:.0f}x raw (one job) | {'yes' if raw <= 3 else 'no'} |")
         if large:
             bw = statistics.median(t["tcp://"][k] / t["mpi://"][k] for k in large)
             lines.append(f"| large messages: mpi bandwidth >= 2x tcp | {bw:.2f}x tcp | {'yes' if bw >= 2 else 'no'} |")
-            raw_bw = statistics.median(t["raw mpi4py"][k] / t["mpi://"][k] for k in large)
-            lines.append(f"| large messages: mpi bandwidth >= 80 % of raw | {100 * raw_bw:.0f} % of raw | {'yes' if raw_bw >= 0.8 else 'no'} |")
+            raw_bw = statistics.median(t["raw mpi4py"][k] / job[k] for k in large)
+            lines.append(f"| large messages: mpi bandwidth >= 80 % of raw | {100 * raw_bw:.0f} % of raw (one job) | {'yes' if raw_bw >= 0.8 else 'no'} |")
         if "ucx://" in t:
             faster = all(t["mpi://"][k] < t["ucx://"][k] for k in t["ucx://"])
             lines.append(f"| mpi faster than ucx at every size | {'yes' if faster else 'no'} | {'yes' if faster else 'no'} |")
