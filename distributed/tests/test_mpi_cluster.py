@@ -56,6 +56,22 @@ def wait_for_transfers(client) -> None:
         time.sleep(0.01)
 
 
+def use_nanny_workers_and_shut_down(job, scheduler_file: str, n_workers: int) -> int:
+    """Workers with nannies move data; client.shutdown() ends every process
+    of the job; its exit code"""
+    wait_for_file(scheduler_file, job)
+    with Client(scheduler_file=scheduler_file, timeout=60) as client:
+        client.wait_for_workers(n_workers, timeout=60)
+        workers = client.scheduler_info()["workers"].values()
+        assert all(w["nanny"].startswith("mpi://") for w in workers)
+        assert_moves_data(client)
+        processes = processes_of(job)
+        client.shutdown()
+    code = job.wait(60)
+    assert_gone(processes)
+    return code
+
+
 def processes_of(job) -> list[psutil.Process]:
     """The processes a job started (mpiexec's proxies, ranks, their children)"""
     return psutil.Process(job.pid).children(recursive=True)
@@ -73,16 +89,7 @@ def test_one_mpiexec_job(tmp_path):
     scheduler_file = str(tmp_path / "scheduler.json")
     scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
     with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
-        wait_for_file(scheduler_file, job)
-        with Client(scheduler_file=scheduler_file, timeout=60) as client:
-            client.wait_for_workers(2, timeout=60)
-            workers = client.scheduler_info()["workers"].values()
-            assert all(w["nanny"].startswith("mpi://") for w in workers)
-            assert_moves_data(client)
-            processes = processes_of(job)
-            client.shutdown()
-        assert job.wait(60) == 0
-        assert_gone(processes)
+        assert use_nanny_workers_and_shut_down(job, scheduler_file, 2) == 0
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
@@ -148,16 +155,7 @@ def test_dask_mpi_command(tmp_path):
     dask_mpi = ["-m", "dask_mpi.cli", "--protocol", "mpi"]
     dask_mpi += ["--scheduler-file", scheduler_file, "--no-dashboard"]
     with mpiexec(["-n", "4", *dask_mpi, "--nthreads", "1"]) as job:
-        wait_for_file(scheduler_file, job)
-        with Client(scheduler_file=scheduler_file, timeout=60) as client:
-            client.wait_for_workers(3, timeout=60)
-            workers = client.scheduler_info()["workers"].values()
-            assert all(w["nanny"].startswith("mpi://") for w in workers)
-            assert_moves_data(client)
-            processes = processes_of(job)
-            client.shutdown()
-        assert job.wait(60) is not None
-        assert_gone(processes)
+        use_nanny_workers_and_shut_down(job, scheduler_file, 3)
 
 
 @pytest.mark.parametrize("start", ["LocalCluster", "Client"])
