@@ -67,8 +67,8 @@ def finalized() -> None:
 
 def _serve_self() -> None:
     global _server
-    _server, theirs = socket.socketpair()
-    ours = _server
+    ours, theirs = socket.socketpair()
+    _server = ours
     job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
     threading.Thread(
