@@ -32,14 +32,7 @@ from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
 from distributed.utils_test import gen_test, inc
 
-
-@pytest.fixture(autouse=True, scope="module")
-def mpi():
-    """Start MPI before the tests: its process manager thread (mpi_pmi)
-    lives as long as this process, and gen_test would call it a leak"""
-    from distributed.comm.mpi_channel import start_mpi
-
-    return start_mpi().result()
+pytestmark = pytest.mark.usefixtures("mpi")
 
 
 async def echo(comm):

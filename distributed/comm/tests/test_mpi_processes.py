@@ -17,7 +17,7 @@ from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_
 from distributed.protocol import to_serialize
 from distributed.utils_test import gen_test
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("mpi")]
 
 
 @pytest.fixture
