@@ -30,6 +30,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import socket
@@ -170,9 +171,12 @@ def config(key: str):
     return dask.config.get(f"distributed.comm.mpi.{key}")
 
 
+@functools.cache
 def world() -> tuple[str, int] | None:
     """The mpiexec job of this process and its rank there; None when it is
-    alone in its MPI_COMM_WORLD (a plain ``python``, or ``mpiexec -n 1``)"""
+    alone in its MPI_COMM_WORLD (a plain ``python``, or ``mpiexec -n 1``).
+    Every handshake asks, and finding Hydra's proxy walks the process tree:
+    it is worked out once."""
     comm = get_mpi().COMM_WORLD
     if comm.size == 1:
         return None

@@ -157,7 +157,9 @@ class ProgressEngine:
                 continue
             if completed:
                 progressed = True
-            if completed is None or self._MPI.Request.Testall(requests):
+            # Testsome set the completed requests to MPI_REQUEST_NULL (falsy);
+            # it returns None once none is left active
+            if completed is None or (completed and not any(requests)):
                 del self._transfers[fut]
                 if not fut.done():
                     fut.set_result(None)
