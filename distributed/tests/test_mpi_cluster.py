@@ -42,24 +42,44 @@ def assert_moves_data(client) -> None:
     x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
     expected = (x + x.T).sum().compute(scheduler="sync")
     assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
-    incoming = client.run(
+    assert sum(transfers(client).values()) > 0, "no data moved between workers"
+
+
+def transfers(client) -> dict[str, int]:
+    """How many transfers each worker received from other workers"""
+    return client.run(
         lambda dask_worker: dask_worker.state.transfer_incoming_count_total
     )
-    assert sum(incoming.values()) > 0, "no data moved between workers"
 
 
 def wait_for_transfers(client) -> None:
     """Until data moves between workers"""
-    while client.run(
-        lambda dask_worker: dask_worker.state.transfer_incoming_count_total
-    ) == dict.fromkeys(client.scheduler_info()["workers"], 0):
+    while transfers(client) == dict.fromkeys(client.scheduler_info()["workers"], 0):
         time.sleep(0.01)
+
+
+def wait_for_worker_count(client, n: int, why: str) -> None:
+    """Until the scheduler knows ``n`` workers: fewer ones are gone"""
+    deadline = time.monotonic() + 60
+    while len(client.scheduler_info()["workers"]) != n:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def one_job_with_nannies(tmp_path, n_workers: int):
+    """A scheduler and ``n_workers`` workers with nannies, ranks of one
+    mpiexec job; the job and its scheduler file, once written"""
+    scheduler_file = str(tmp_path / "scheduler.json")
+    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
+    with mpiexec(["-n", "1", *scheduler, ":", "-n", str(n_workers), *worker]) as job:
+        wait_for_file(scheduler_file, job)
+        yield job, scheduler_file
 
 
 def use_nanny_workers_and_shut_down(job, scheduler_file: str, n_workers: int) -> int:
     """Workers with nannies move data; client.shutdown() ends every process
     of the job; its exit code"""
-    wait_for_file(scheduler_file, job)
     with Client(scheduler_file=scheduler_file, timeout=60) as client:
         client.wait_for_workers(n_workers, timeout=60)
         workers = client.scheduler_info()["workers"].values()
@@ -86,18 +106,13 @@ def test_one_mpiexec_job(tmp_path):
     """The README's example: scheduler and workers (with nannies) are ranks of
     one job, and MPI_Init in each waits for all of them; client.shutdown()
     ends every process"""
-    scheduler_file = str(tmp_path / "scheduler.json")
-    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
-    with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
+    with one_job_with_nannies(tmp_path, 2) as (job, scheduler_file):
         assert use_nanny_workers_and_shut_down(job, scheduler_file, 2) == 0
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
     """Ctrl-C in the terminal of ``mpiexec``: SIGINT to its process group"""
-    scheduler_file = str(tmp_path / "scheduler.json")
-    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
-    with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
-        wait_for_file(scheduler_file, job)
+    with one_job_with_nannies(tmp_path, 2) as (job, scheduler_file):
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(2, timeout=60)
             assert client.submit(sum, [1, 2]).result() == 3
@@ -155,6 +170,7 @@ def test_dask_mpi_command(tmp_path):
     dask_mpi = ["-m", "dask_mpi.cli", "--protocol", "mpi"]
     dask_mpi += ["--scheduler-file", scheduler_file, "--no-dashboard"]
     with mpiexec(["-n", "4", *dask_mpi, "--nthreads", "1"]) as job:
+        wait_for_file(scheduler_file, job)
         use_nanny_workers_and_shut_down(job, scheduler_file, 3)
 
 
@@ -182,10 +198,7 @@ def test_local_cluster(start):
         processes = [psutil.Process(pid) for pid in pids]
         assert_moves_data(client)
         cluster.scale(1)
-        deadline = time.monotonic() + 60
-        while len(client.scheduler_info()["workers"]) != 1:
-            assert time.monotonic() < deadline, "workers not retired"
-            time.sleep(0.1)
+        wait_for_worker_count(client, 1, "workers not retired")
         assert client.submit(sum, [1, 2]).result() == 3
     assert_gone(processes)
 
@@ -218,10 +231,7 @@ def test_killed_worker_process_in_one_job(tmp_path):
     """In one mpiexec job a rank that dies ends the job, but a nanny's worker
     process is no rank: SIGKILL one while data moves; the nanny starts a new
     one, its tasks are recomputed and the result is right"""
-    scheduler_file = str(tmp_path / "scheduler.json")
-    scheduler, worker = scheduler_and_workers(scheduler_file, nanny=True)
-    with mpiexec(["-n", "1", *scheduler, ":", "-n", "3", *worker]) as job:
-        wait_for_file(scheduler_file, job)
+    with one_job_with_nannies(tmp_path, 3) as (job, scheduler_file):
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             victim = next(iter(client.run(os.getpid).values()))
@@ -272,8 +282,5 @@ def test_workers_join_and_leave(tmp_path):
                 assert len(pids) == 3, "the new workers were not used"
                 later.terminate()  # SIGTERM: workers close and unregister
                 assert later.wait(60) is not None
-            deadline = time.monotonic() + 60
-            while len(client.scheduler_info()["workers"]) != 1:
-                assert time.monotonic() < deadline, "departed workers not forgotten"
-                time.sleep(0.1)
+            wait_for_worker_count(client, 1, "departed workers not forgotten")
             assert client.submit(sum, [3, 4]).result() == 7
