@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import struct
 import weakref
 from time import monotonic
@@ -131,6 +132,18 @@ def _same_world(peer: dict) -> bool:
     return mine is not None and theirs is not None and theirs[0] == mine[0]
 
 
+def _peer_gone(stream) -> bool:
+    """Whether the peer closed the TCP connection, without reading from it"""
+    if stream.closed():
+        return True
+    try:
+        return stream.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _chunks(frame: memoryview, size: int) -> list[memoryview]:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
@@ -224,33 +237,36 @@ class MPI(Comm):
 
     async def _open(self, channel, peer: dict) -> None:
         """Open a new channel with the peer: the acceptor sends a port name
-        (none for another rank of its own job), the connector says it is
-        connecting, then both block in MPI until they meet (see
-        ``distributed.comm.mpi_channel`` for why this order)"""
+        (none for another rank of its own job) and enters MPI at once; the
+        connector follows when it reads the port, if the acceptor is still
+        there (see ``distributed.comm.mpi_channel`` for why this order)"""
         stream = self.stream
         same_world = _same_world(peer)
+        timeout = parse_timedelta(config("channel-timeout"))
         try:
             if channel.role == ACCEPTOR:
                 port = None if same_world else mpi_channel.open_port()
                 try:
                     await _send_handshake(stream, {"port": port})
-                    if (await _recv_handshake(stream)).get("connecting") is not True:
-                        raise ValueError("not an mpi:// handshake")
                 except BaseException:
                     if port is not None:
                         mpi_channel.close_port(port)
                     raise
+                if same_world:
+                    channel.join(peer["world"][1])
+                else:
+                    channel.accept(port, timeout)
             else:
                 port = (await _recv_handshake(stream))["port"]
-                await _send_handshake(stream, {"connecting": True})
-            # Both sides are about to call MPI: a peer that takes longer died
-            timeout = parse_timedelta(config("channel-timeout"))
-            if same_world:
-                channel.join(peer["world"][1])
-            elif channel.role == ACCEPTOR:
-                channel.accept(port, timeout)
-            else:
-                channel.connect(port, timeout)
+                if _peer_gone(stream):
+                    raise CommClosedError(
+                        f"{self._peer_addr} closed the connection while opening "
+                        "an MPI channel"
+                    )
+                if same_world:
+                    channel.join(peer["world"][1])
+                else:
+                    channel.connect(port, timeout)
         except get_mpi().Exception as e:
             raise FatalCommClosedError(
                 f"MPI could not connect to {self._peer_addr}: {e}"

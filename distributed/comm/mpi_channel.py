@@ -11,13 +11,18 @@ process talks to itself over a duplicate of ``MPI_COMM_SELF``.
 
 These calls block, and MPICH holds its global lock while they wait, so a
 process in one can do no other MPI call: running them in helper threads would
-not help, and two processes accepting from each other would deadlock.
-Instead they run on the event loop, under two rules that rule out any cycle
-of processes waiting for each other:
+not help.  Instead they run on the event loop, under rules that rule out any
+cycle of processes waiting for each other, and that keep MPICH alive when a
+peer dies half-way:
 
-- of two processes, the one whose ``process_id()`` sorts first accepts;
-- the acceptor calls accept only once the connector has said, over TCP, that
-  it is calling connect right now (see ``distributed.comm.mpi``).
+- of two processes, the one whose ``process_id()`` sorts first accepts; a
+  process waits in accept only for peers that sort after it;
+- the acceptor enters MPI first, as soon as it has sent its port name over
+  TCP, and gives up after ``channel-timeout``: MPICH survives an accept that
+  times out, but not a connect (the process aborts, or crashes in its next
+  connect), nor a connect to a process that is gone (UCX crashes);
+- so the connector connects only to an acceptor that is waiting: at once on
+  reading the port, and only if the TCP connection is still open.
 
 MPI is initialised by :func:`start_mpi`, on first use of an ``mpi://`` address,
 never on ``import distributed``.
@@ -126,6 +131,11 @@ def start_mpi() -> concurrent.futures.Future:
             # Now, not in the helper thread: a nanny may start its worker
             # process next, and that inherits the environment
             mpi_pmi.prepare_environment(MPI)
+            # UCX (MPICH's netmod, Open MPI's pml) reads large messages
+            # straight from the sender's memory (CMA), and aborts the reader
+            # when the sender dies half-way; through shared memory a receive
+            # only stalls, which the comm survives
+            os.environ.setdefault("UCX_TLS", "^cma")
             _init = concurrent.futures.Future()
             threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
     return _init
@@ -239,7 +249,8 @@ class Channel:
             MPI.Close_port(port)
 
     def connect(self, port: str, timeout: float) -> None:
-        """Open the channel; blocks until the peer accepted, or ``timeout``"""
+        """Open the channel with a peer waiting in accept; ``timeout`` is a
+        last resort (MPICH does not survive a connect that times out)"""
         info = _timeout_info(timeout)
         try:
             self._opened(get_mpi().COMM_SELF.Connect(port, info))

@@ -203,13 +203,6 @@ def test_local_cluster(start):
     assert_gone(processes)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="Known bug, about 1 run in 8: a survivor that was opening a channel "
-    "to the killed worker waits channel-timeout in MPI_Comm_connect, and MPICH "
-    "(ofi) then segfaulted in its next MPI_Comm_connect; MPICH's UCX netmod "
-    "aborts a survivor whose CMA read from the killed worker fails",
-)
 def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
     """Each worker is a job of its own: SIGKILL one while data moves; its
     tasks are recomputed elsewhere and the result is right"""
