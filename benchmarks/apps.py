@@ -72,24 +72,37 @@ def transferred(client: Client) -> int:
     return sum(client.run(total).values())
 
 
+def cpu_seconds(client: Client) -> float:
+    """CPU time used so far by the scheduler and the workers"""
+    def used():
+        import psutil
+
+        times = psutil.Process().cpu_times()
+        return times.user + times.system
+
+    return sum(client.run(used).values()) + client.run_on_scheduler(used)
+
+
 def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
     results = {}
     with cluster(protocol, workers, "--memory-limit", "0") as (sched_file, _):
         with Client(scheduler_file=sched_file, timeout=60) as client:
             client.wait_for_workers(workers, timeout=60)
             for name, (make, *args) in benchmarks(quick).items():
-                times, moved = [], []
+                times, moved, cpu = [], [], []
                 for _ in range(repeat):
                     graph = make(*args)
-                    before = transferred(client)
+                    before, cpu_before = transferred(client), cpu_seconds(client)
                     start = time.perf_counter()
                     client.compute(graph).result()
                     times.append(time.perf_counter() - start)
+                    cpu.append(cpu_seconds(client) - cpu_before)
                     moved.append(transferred(client) - before)
                     client.cancel(graph)
                 wall = statistics.median(times)
                 nbytes = statistics.median(moved)
                 results[name] = {"wall_time": wall, "times": times,
+                                 "cpu_seconds": statistics.median(cpu),
                                  "bytes_moved": nbytes, "throughput": nbytes / wall}
     return results
 
@@ -139,6 +152,7 @@ def main() -> None:
     for name in tcp:
         print(f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
               f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"
+              f"  CPU s tcp {tcp[name]['cpu_seconds']:.2f} mpi {mpi[name]['cpu_seconds']:.2f}"
               f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB")
 
 

@@ -82,13 +82,14 @@ def main(out: str) -> None:
     if pp:
         lines += ["## Ping-pong, one-way latency (median)", ""] + pingpong_lines(pp) + [""]
     if apps:
-        lines += ["## Applications", "", "| benchmark | tcp:// | mpi:// | mpi/tcp | moved between workers |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["## Applications", "", "| benchmark | tcp:// | mpi:// | mpi/tcp | moved between workers "
+                  "| CPU s tcp:// | CPU s mpi:// |", "|---|---:|---:|---:|---:|---:|---:|"]
         p = apps["protocols"]
         for name in p["tcp://"]:
             t, m = p["tcp://"][name], p["mpi://"][name]
             lines.append(f"| {name} | {t['wall_time']:.2f} s | {m['wall_time']:.2f} s | "
-                         f"{m['wall_time'] / t['wall_time']:.2f} | {m['bytes_moved'] / 2**20:.0f} MiB |")
+                         f"{m['wall_time'] / t['wall_time']:.2f} | {m['bytes_moved'] / 2**20:.0f} MiB | "
+                         f"{t.get('cpu_seconds', float('nan')):.1f} | {m.get('cpu_seconds', float('nan')):.1f} |")
         lines.append("")
     if conn:
         lines += ["## Connection set-up", "", "| | tcp:// | mpi:// |", "|---|---:|---:|"]

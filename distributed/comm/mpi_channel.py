@@ -131,11 +131,6 @@ def start_mpi() -> concurrent.futures.Future:
             # Now, not in the helper thread: a nanny may start its worker
             # process next, and that inherits the environment
             mpi_pmi.prepare_environment(MPI)
-            # UCX (MPICH's netmod, Open MPI's pml) reads large messages
-            # straight from the sender's memory (CMA), and aborts the reader
-            # when the sender dies half-way; through shared memory a receive
-            # only stalls, which the comm survives
-            os.environ.setdefault("UCX_TLS", "^cma")
             _init = concurrent.futures.Future()
             threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
     return _init

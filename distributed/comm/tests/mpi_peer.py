@@ -2,9 +2,7 @@
 
 ``python -m distributed.comm.tests.mpi_peer serve FILE`` listens on mpi://,
 writes its address to FILE and echoes every message back, except
-``{"op": "sum", "x": array}`` which it answers with the array's sum, and
-``{"op": "die-sending", "nbytes": n}``, to which it starts sending an array of
-``n`` bytes, then kills itself before the transfer can end.
+``{"op": "sum", "x": array}`` which it answers with the array's sum.
 
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips.
@@ -12,7 +10,6 @@ server from another process and checks a few round trips.
 
 import asyncio
 import os
-import signal
 import sys
 
 import numpy as np
@@ -25,10 +22,6 @@ async def handle(comm):
     try:
         while True:
             msg = await comm.read()
-            if isinstance(msg, dict) and msg.get("op") == "die-sending":
-                await comm.write({"x": to_serialize(np.ones(msg["nbytes"], "u1"))})
-                await asyncio.sleep(0.05)
-                os.kill(os.getpid(), signal.SIGKILL)
             if isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
             await comm.write(msg)
