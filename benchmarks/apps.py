@@ -65,11 +65,14 @@ def benchmarks(quick: bool) -> dict:
             "merge": (merge, 5_000_000, 16)}
 
 
-def transferred(client: Client) -> int:
+def transferred(client: Client) -> tuple[int, int]:
+    """Bytes and transfers that workers have sent to other workers so far
+    (counters, unlike the incoming log, which keeps its last 1000 entries)"""
     def total(dask_worker):
-        return sum(t["total"] for t in dask_worker.transfer_incoming_log)
+        return dask_worker.transfer_outgoing_bytes_total, dask_worker.transfer_outgoing_count_total
 
-    return sum(client.run(total).values())
+    totals = client.run(total).values()
+    return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
 def cpu_seconds(client: Client) -> float:
@@ -89,7 +92,7 @@ def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
         with Client(scheduler_file=sched_file, timeout=60) as client:
             client.wait_for_workers(workers, timeout=60)
             for name, (make, *args) in benchmarks(quick).items():
-                times, moved, cpu = [], [], []
+                times, moved, count, cpu = [], [], [], []
                 for _ in range(repeat):
                     graph = make(*args)
                     before, cpu_before = transferred(client), cpu_seconds(client)
@@ -97,12 +100,15 @@ def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
                     client.compute(graph).result()
                     times.append(time.perf_counter() - start)
                     cpu.append(cpu_seconds(client) - cpu_before)
-                    moved.append(transferred(client) - before)
+                    after = transferred(client)
+                    moved.append(after[0] - before[0])
+                    count.append(after[1] - before[1])
                     client.cancel(graph)
                 wall = statistics.median(times)
                 nbytes = statistics.median(moved)
                 results[name] = {"wall_time": wall, "times": times,
                                  "cpu_seconds": statistics.median(cpu),
+                                 "transfers": statistics.median(count),
                                  "bytes_moved": nbytes, "throughput": nbytes / wall}
     return results
 
@@ -153,7 +159,7 @@ def main() -> None:
         print(f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
               f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"
               f"  CPU s tcp {tcp[name]['cpu_seconds']:.2f} mpi {mpi[name]['cpu_seconds']:.2f}"
-              f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB")
+              f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB in {mpi[name]['transfers']:.0f} transfers")
 
 
 if __name__ == "__main__":
