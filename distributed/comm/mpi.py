@@ -343,8 +343,7 @@ class MPI(Comm):
                     for frame in frames
                     for chunk in _chunks(frame, self._chunk_size)
                 ]
-                transfer = engine.transfer(requests, frames, large=True)
-                await self._await(self._reads, transfer)
+                await self._await(self._reads, engine.transfer(requests, frames))
         except CommClosedError:
             raise
         except get_mpi().Exception as e:
@@ -417,7 +416,7 @@ class MPI(Comm):
         # Like a TCP comm's write, return once the message is queued: waiting
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
-        sent = self._engine.transfer(requests, (head, frames), large=bool(frames))
+        sent = self._engine.transfer(requests, (head, frames))
         if not sent.done():
             self._writes.add(sent)
             sent.add_done_callback(self._sent)

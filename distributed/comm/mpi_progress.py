@@ -10,10 +10,6 @@ Polling costs CPU, so the engine adapts:
 
 - right after any progress it polls on every loop iteration for
   ``busy-poll-time``, which keeps ping-pong latency low;
-- while a large message (one sent in chunks) is in flight, it polls on every
-  loop iteration for up to ``LARGE_MESSAGE_SPIN`` without progress: the two
-  ends take turns in MPI's protocol for large messages, and each sleep of the
-  back-off below delayed a 16 MiB message by about 1 ms;
 - then it backs off exponentially, up to ``poll-interval`` between polls;
 - once only probes for new messages are left (no data in flight) and nothing
   happened for ``idle-after``, it stops polling altogether.  A sender rings a
@@ -34,10 +30,6 @@ from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_channel import config, get_mpi
-
-
-# How long a large message in flight keeps the engine polling without a pause
-LARGE_MESSAGE_SPIN = 0.05
 
 
 class ProgressEngine:
@@ -67,7 +59,6 @@ class ProgressEngine:
         self._loop = weakref.proxy(loop)
         # future -> (requests, objects that must stay alive until they complete)
         self._transfers: dict[asyncio.Future, tuple[list, Any]] = {}
-        self._large: set[asyncio.Future] = set()  # transfers of large messages
         # future -> (communicator, source, tag)
         self._probes: dict[asyncio.Future, tuple[Any, int, int]] = {}
         # requests of cancelled transfers: MPI may still touch their buffers
@@ -76,22 +67,16 @@ class ProgressEngine:
         self._last_progress = loop.time()
         self._delay = 0.0
 
-    def transfer(
-        self, requests: list, keepalive: Any = None, large: bool = False
-    ) -> asyncio.Future:
+    def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
         """A future that is done when all ``requests`` have completed.
 
-        ``keepalive`` (the buffers of the requests) is referenced until then;
-        ``large``: the requests move a message sent in chunks.
+        ``keepalive`` (the buffers of the requests) is referenced until then.
         """
         fut = self._loop.create_future()
         if self._MPI.Request.Testall(requests):
             fut.set_result(None)
         else:
             self._transfers[fut] = (requests, keepalive)
-            if large:
-                self._large.add(fut)
-                fut.add_done_callback(self._large.discard)
             self.wake()
         return fut
 
@@ -150,11 +135,7 @@ class ProgressEngine:
         if not self._transfers and not self._probes:
             return
         quiet = now - self._last_progress
-        if (
-            self.busy
-            or quiet < self.busy_poll_time
-            or (self._large and quiet < LARGE_MESSAGE_SPIN)
-        ):
+        if self.busy or quiet < self.busy_poll_time:
             self._handle = self._loop.call_soon(self._poll)
         elif self._transfers or quiet < self.idle_after:
             self._delay = min(max(2 * self._delay, 1e-5), self.poll_interval)
