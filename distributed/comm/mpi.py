@@ -252,10 +252,6 @@ class MPI(Comm):
                     if port is not None:
                         mpi_channel.close_port(port)
                     raise
-                if same_world:
-                    channel.join(peer["world"][1])
-                else:
-                    channel.accept(port, timeout)
             else:
                 port = (await _recv_handshake(stream))["port"]
                 if _peer_gone(stream):
@@ -263,10 +259,13 @@ class MPI(Comm):
                         f"{self._peer_addr} closed the connection while opening "
                         "an MPI channel"
                     )
-                if same_world:
-                    channel.join(peer["world"][1])
-                else:
-                    channel.connect(port, timeout)
+            # No await from here on: the acceptor is waiting, or about to
+            if same_world:
+                channel.join(peer["world"][1])
+            elif channel.role == ACCEPTOR:
+                channel.accept(port, timeout)
+            else:
+                channel.connect(port, timeout)
         except get_mpi().Exception as e:
             raise FatalCommClosedError(
                 f"MPI could not connect to {self._peer_addr}: {e}"
