@@ -32,7 +32,7 @@ def wait_for_file(path: str, proc: subprocess.Popen | None, timeout: float = 60)
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline or (proc and proc.poll() is not None):
-            raise RuntimeError(f"{proc.args} did not write {path}")
+            raise RuntimeError(f"{proc.args if proc else 'nobody'} did not write {path}")
         time.sleep(0.05)
     with open(path) as f:
         return f.read()

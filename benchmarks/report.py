@@ -21,11 +21,16 @@ def load(out: str, name: str) -> dict | None:
         return json.load(f)
 
 
+def one_job(transports: dict) -> dict:
+    """mpi:// between two ranks of one job, where raw mpi4py runs: the figures
+    to compare with raw (plain mpi:// in runs from before they were measured)"""
+    return transports.get("mpi:// one job", transports["mpi://"])
+
+
 def pingpong_lines(pp: dict) -> list[str]:
     t = pp["transports"]
     names = list(t)
-    # raw mpi4py runs as two ranks of one job: compare it with mpi:// there
-    job = t.get("mpi:// one job", t["mpi://"])
+    job = one_job(t)
     lines = ["| size | " + " | ".join(names) + " | mpi/tcp | mpi one job/raw |",
              "|---:|" + "---:|" * (len(names) + 2)]
     for key in t["tcp://"]:
@@ -45,7 +50,7 @@ def targets(pp: dict | None, apps: dict | None, idle: dict | None) -> list[str]:
         large = [k for k in t["tcp://"] if k != "dict" and int(k) >= 2**24]
         ratio = statistics.median(t["mpi://"][k] / t["tcp://"][k] for k in small)
         lines.append(f"| small messages: mpi latency <= 1/4 of tcp | {ratio:.2f} of tcp (median over 1 B - 1 KiB) | {'yes' if ratio <= 0.25 else 'no'} |")
-        job = t.get("mpi:// one job", t["mpi://"])  # raw mpi4py's setting
+        job = one_job(t)
         raw = statistics.median(job[k] / t["raw mpi4py"][k] for k in small)
         lines.append(f"| small messages: mpi latency <= 3x raw mpi4py | {raw:.0f}x raw (one job) | {'yes' if raw <= 3 else 'no'} |")
         if large:
