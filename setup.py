@@ -45,6 +45,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
         "test": ["pytest", "pytest-timeout", "numpy", "dask-mpi"],
+        "benchmarks": ["numpy", "dask[dataframe]", "matplotlib"],
     },
     entry_points={
         group: [f"{name} = {target}" for name, target in points.items()]
