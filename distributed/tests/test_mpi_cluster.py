@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -203,23 +205,33 @@ def test_local_cluster(start):
     assert_gone(processes)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="Known MPICH/UCX limit, about 1 run in 10: UCX aborts a survivor "
-    "whose direct read (CMA) of a large message from the killed worker fails; "
-    "see docs/mpi.rst",
-)
+def known_mpi_crash(output: str) -> str | None:
+    """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
+    those it has when a peer dies at the wrong moment (see docs/mpi.rst)"""
+    if "process_vm_readv" in output:
+        return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
+    # A crash after a connect timed out is no such limit but mpi://'s fault:
+    # it must never let a connect time out
+    connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
+    if re.search(connect_crashed, output, re.S) and "Operation timed out" not in output:
+        return "MPI_Comm_connect crashed: the killed worker died as the two connected"
+    return None
+
+
 def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
     """Each worker is a job of its own: SIGKILL one while data moves; its
     tasks are recomputed elsewhere and the result is right"""
     scheduler_file = str(tmp_path / "scheduler.json")
     scheduler, worker = scheduler_and_workers(scheduler_file)
-    with (
-        mpiexec(["-n", "1", *scheduler]) as sched,
-        mpiexec(["-n", "1", *worker]) as victim,
-        mpiexec(["-n", "1", *worker]),
-        mpiexec(["-n", "1", *worker]),
-    ):
+    logs = [tmp_path / f"survivor-{i}.log" for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        sched = stack.enter_context(mpiexec(["-n", "1", *scheduler]))
+        victim = stack.enter_context(mpiexec(["-n", "1", *worker]))
+        for log in logs:
+            out = stack.enter_context(open(log, "w"))
+            stack.enter_context(
+                mpiexec(["-n", "1", *worker], stdout=out, stderr=subprocess.STDOUT)
+            )
         wait_for_file(scheduler_file, sched)
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
@@ -230,7 +242,13 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
             wait_for_transfers(client)
             victim.crash()
             assert np.isclose(future.result(timeout=60), expected)
-            assert len(client.scheduler_info()["workers"]) == 2
+            survivors = len(client.scheduler_info()["workers"])
+            assert sched.poll() is None
+    if survivors < 2:
+        crashes = {known_mpi_crash(log.read_text()) for log in logs} - {None}
+        if crashes:
+            pytest.xfail("Known MPICH/UCX limit, 1 run in 10: " + "; ".join(crashes))
+    assert survivors == 2
 
 
 def test_killed_worker_process_in_one_job(tmp_path):

@@ -25,6 +25,7 @@ def _env() -> dict:
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash in MPI shows where Python was
     return env
 
 
