@@ -39,6 +39,7 @@ from tornado.iostream import StreamClosedError
 from distributed.comm import mpi_channel
 from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import ACCEPTOR, config, get_mpi
+from distributed.comm.mpi_liveness import LocalPeer, beacon
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tcp import (
     BaseTCPBackend,
@@ -93,6 +94,7 @@ def _hello() -> dict:
         "process": mpi_channel.process_id(),
         "library": mpi_channel.library(),
         "world": mpi_channel.world(),
+        "beacon": beacon(),
     }
 
 
@@ -164,6 +166,7 @@ class MPI(Comm):
         self._rung = float("-inf")
         self._channel: mpi_channel.Channel | None = None
         self._engine: ProgressEngine | None = None
+        self._sender: LocalPeer | None = None  # the peer, if on this host
         self._send_tag = self._recv_tag = -1
         self._closed = False  # no more writes: closed here, or by the peer
         self._reads_over = False  # no more reads: the stream has ended
@@ -209,7 +212,7 @@ class MPI(Comm):
         await _send_handshake(stream, reply)
         if new:
             await self._open(channel, peer)
-        self._start(channel, recv_tag=tag, send_tag=tag + 1)
+        self._start(channel, peer, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
         """The connecting end of the handshake"""
@@ -233,7 +236,7 @@ class MPI(Comm):
                 )
         mpi_channel.remember_address(self._peer_addr, channel)
         tag = reply["tag"]
-        self._start(channel, recv_tag=tag + 1, send_tag=tag)
+        self._start(channel, reply, recv_tag=tag + 1, send_tag=tag)
 
     async def _open(self, channel, peer: dict) -> None:
         """Open a new channel with the peer: the acceptor sends a port name
@@ -271,11 +274,12 @@ class MPI(Comm):
                 f"MPI could not connect to {self._peer_addr}: {e}"
             ) from e
 
-    def _start(self, channel, recv_tag: int, send_tag: int) -> None:
+    def _start(self, channel, peer: dict, recv_tag: int, send_tag: int) -> None:
         self._channel = channel
         self._recv_tag = recv_tag
         self._send_tag = send_tag
         self._engine = ProgressEngine.current()
+        self._sender = LocalPeer.find(peer)
         self._watcher = asyncio.ensure_future(self._watch_peer())
 
     async def _watch_peer(self) -> None:
@@ -307,14 +311,15 @@ class MPI(Comm):
     async def read(self, deserializers=None):
         if self._reads_over:
             raise CommClosedError(f"{self} is closed")
-        channel, engine = self._channel, self._engine
+        channel, engine, sender = self._channel, self._engine, self._sender
         try:
             message, nbytes = await self._await(
                 self._reads, engine.probe(channel.comm, channel.rank, self._recv_tag)
             )
+            self._check_sender()
             head = bytearray(nbytes)
             request = message.Irecv([head, get_mpi().BYTE])
-            await self._await(self._reads, engine.transfer([request], head))
+            await self._await(self._reads, engine.transfer([request], head, sender))
 
             flags, nframes = _HEAD.unpack_from(head)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
@@ -335,6 +340,7 @@ class MPI(Comm):
                     offset += size
             else:
                 frames = [host_array(size) for size in sizes]
+                self._check_sender()
                 requests = [
                     channel.comm.Irecv(
                         [chunk, get_mpi().BYTE], channel.rank, self._recv_tag
@@ -342,7 +348,9 @@ class MPI(Comm):
                     for frame in frames
                     for chunk in _chunks(frame, self._chunk_size)
                 ]
-                await self._await(self._reads, engine.transfer(requests, frames))
+                await self._await(
+                    self._reads, engine.transfer(requests, frames, sender)
+                )
         except CommClosedError:
             raise
         except get_mpi().Exception as e:
@@ -363,6 +371,13 @@ class MPI(Comm):
         except EOFError:
             self.abort()
             raise CommClosedError("aborted stream on truncated data")
+
+    def _check_sender(self) -> None:
+        """Before a receive, which may start to copy at once: the sender lives
+        (see ``LocalPeer``)"""
+        if self._sender is not None and self._sender.died():
+            self.abort()
+            raise CommClosedError(f"{self}: the peer process died")
 
     async def write(self, msg, serializers=None, on_error="message"):
         if self._closed:

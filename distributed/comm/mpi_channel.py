@@ -45,6 +45,7 @@ import uuid
 
 import dask
 import psutil
+from dask.utils import parse_bytes
 
 from distributed.comm import mpi_pmi
 
@@ -131,9 +132,18 @@ def start_mpi() -> concurrent.futures.Future:
             # Now, not in the helper thread: a nanny may start its worker
             # process next, and that inherits the environment
             mpi_pmi.prepare_environment(MPI)
+            if not MPI.Is_initialized():
+                _configure_ucx()
             _init = concurrent.futures.Future()
             threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
     return _init
+
+
+def _configure_ucx() -> None:
+    """UCX copies a message from a peer on this host in segments, one per
+    call into MPI; a chunk in one segment is copied within one call, after
+    we checked that its sender lives (see ``mpi_progress.LocalPeer``)"""
+    os.environ.setdefault("UCX_CMA_SEG_SIZE", str(parse_bytes(config("chunk-size"))))
 
 
 def _run_init(fut: concurrent.futures.Future) -> None:

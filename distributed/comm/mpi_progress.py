@@ -17,6 +17,9 @@ Polling costs CPU, so the engine adapts:
   calls :meth:`ProgressEngine.wake`, so an idle process uses no CPU.
 
 ``progress-mode: busy`` never stops polling, as MPI4Dask did.
+
+Before each call into MPI the engine cancels the receives from peer processes
+on this host that died (see ``distributed.comm.mpi_liveness``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_channel import config, get_mpi
+from distributed.comm.mpi_liveness import LocalPeer
 
 
 class ProgressEngine:
@@ -61,22 +65,31 @@ class ProgressEngine:
         self._transfers: dict[asyncio.Future, tuple[list, Any]] = {}
         # future -> (communicator, source, tag)
         self._probes: dict[asyncio.Future, tuple[Any, int, int]] = {}
+        # future of a receive -> the LocalPeer it receives from
+        self._senders: dict[asyncio.Future, LocalPeer] = {}
         # requests of cancelled transfers: MPI may still touch their buffers
         self._orphans: list[tuple[list, Any, float]] = []
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
         self._delay = 0.0
 
-    def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
+    def transfer(
+        self, requests: list, keepalive: Any = None, sender: LocalPeer | None = None
+    ) -> asyncio.Future:
         """A future that is done when all ``requests`` have completed.
 
         ``keepalive`` (the buffers of the requests) is referenced until then.
+        Receives from a ``sender`` fail should it die.
         """
         fut = self._loop.create_future()
+        self._drop_dead_senders()
         if self._MPI.Request.Testall(requests):
             fut.set_result(None)
         else:
             self._transfers[fut] = (requests, keepalive)
+            if sender is not None:
+                self._senders[fut] = sender
+                fut.add_done_callback(self._senders.pop)
             self.wake()
         return fut
 
@@ -124,6 +137,7 @@ class ProgressEngine:
 
     def _poll(self) -> None:
         self._handle = None
+        self._drop_dead_senders()
         progressed = self._test_transfers() | self._test_probes()
         if self._orphans:
             self._test_orphans()
@@ -141,6 +155,14 @@ class ProgressEngine:
             self._delay = min(max(2 * self._delay, 1e-5), self.poll_interval)
             self._handle = self._loop.call_later(self._delay, self._poll)
         # else: only waiting for new messages, and idle: sleep until woken
+
+    def _drop_dead_senders(self) -> None:
+        died: dict[int, bool] = {}  # by pid: ask once per process
+        for fut, peer in list(self._senders.items()):
+            if peer.pid not in died:
+                died[peer.pid] = peer.died()
+            if died[peer.pid] and not fut.done():
+                self.cancel(fut, CommClosedError("the peer process died"))
 
     def _test_transfers(self) -> bool:
         # Any completed request counts as progress: frames are sent in chunks,

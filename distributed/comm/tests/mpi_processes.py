@@ -35,11 +35,19 @@ class Job(subprocess.Popen):
     def crash(self) -> None:
         """SIGKILL the job's Python processes, as a crash would; mpiexec
         sees them die and cleans up after them"""
+        for process in self.ranks():
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        self.wait(30)
+
+    def ranks(self) -> list[psutil.Process]:
+        """The job's Python processes"""
+        ranks = []
         for process in self._descendants():
             with contextlib.suppress(psutil.Error):
                 if process.name().startswith("python"):
-                    process.kill()
-        self.wait(30)
+                    ranks.append(process)
+        return ranks
 
     def stop(self) -> None:
         """Ctrl-C, then SIGKILL for whatever is left after a while (mpiexec

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
+from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.registry import backends
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
@@ -64,6 +66,31 @@ def test_import_does_not_start_mpi():
         "assert 'mpi4py' not in sys.modules, sorted(m for m in sys.modules if 'mpi' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="UCX copies from peers on Linux")
+def test_local_peer_knows_when_its_process_died():
+    """What the progress engine asks before each call into MPI (see
+    ``distributed.comm.mpi_liveness``): the process was killed"""
+    code = (
+        "import time; from distributed.comm.mpi_liveness import beacon; "
+        "print(beacon(), flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        hello = {"process": f"{socket.gethostname()}/{proc.pid}/x"}
+        hello["beacon"] = int(proc.stdout.readline())
+        peer = LocalPeer.find(hello)
+        assert not peer.died()
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while not peer.died():  # dead, not yet reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert LocalPeer.find({**hello, "process": f"elsewhere/{proc.pid}/x"}) is None
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_address_helpers():

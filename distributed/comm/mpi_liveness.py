@@ -1,0 +1,75 @@
+"""Whether a peer process on this host still has its memory.
+
+UCX, MPICH's default netmod, copies a message straight out of the memory of a
+sender on the same host (CMA, ``process_vm_readv``), and aborts the process
+that copies when that memory is gone: MPICH gives UCX no error handler.  A
+killed sender's messages are still queued in MPI, and any call into MPI may
+start to copy one.  So before each call into MPI, the progress engine cancels
+the receives from senders that died, found out with the very copy UCX would
+make: one byte, from an address each process names in its mpi:// handshake.
+The kernel takes a killed process's memory away before it closes its sockets,
+so its TCP connection tells too late.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import socket
+import sys
+
+from distributed.comm.mpi_channel import process_id
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+# The byte of this process that peers on its host read
+_BEACON = ctypes.c_char(b"\x01")
+
+
+def beacon() -> int:
+    """The address to name in the handshake"""
+    return ctypes.addressof(_BEACON)
+
+
+class LocalPeer:
+    """A peer process on this host, whose memory UCX reads"""
+
+    def __init__(self, pid: int, address: int):
+        self.pid = pid
+        self._byte = ctypes.c_char()
+        self._local = _IOVec(ctypes.addressof(self._byte), 1)
+        self._remote = _IOVec(address, 1)
+
+    @classmethod
+    def find(cls, hello: dict) -> LocalPeer | None:
+        """The peer of this handshake if it runs on this host (and this is
+        Linux, where UCX copies from local peers) and named its beacon"""
+        host, pid, _ = hello["process"].rsplit("/", 2)
+        address = hello.get("beacon")
+        if sys.platform != "linux" or not isinstance(address, int):
+            return None
+        if host != socket.gethostname() or hello["process"] == process_id():
+            return None
+        return cls(int(pid), address)
+
+    def died(self) -> bool:
+        """Whether its memory is gone: it died, or is dying"""
+        read = _process_vm_readv(
+            self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0
+        )
+        return read < 0 and ctypes.get_errno() == errno.ESRCH
+
+
+def _load():
+    libc = ctypes.CDLL(None, use_errno=True)
+    function = libc.process_vm_readv
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong]
+    function.argtypes += [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    return function
+
+
+_process_vm_readv = _load() if sys.platform == "linux" else None
