@@ -82,14 +82,19 @@ class ProgressEngine:
         Receives from a ``sender`` fail should it die.
         """
         fut = self._loop.create_future()
+        self._transfers[fut] = (requests, keepalive)
+        if sender is not None:
+            self._senders[fut] = sender
+            fut.add_done_callback(self._senders.pop)
+        # Just before MPI may start to copy: the less time in between, the
+        # smaller the chance that a sender dies unseen
         self._drop_dead_senders()
+        if fut.done():
+            return fut
         if self._MPI.Request.Testall(requests):
+            del self._transfers[fut]
             fut.set_result(None)
         else:
-            self._transfers[fut] = (requests, keepalive)
-            if sender is not None:
-                self._senders[fut] = sender
-                fut.add_done_callback(self._senders.pop)
             self.wake()
         return fut
 
