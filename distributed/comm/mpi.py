@@ -374,7 +374,7 @@ class MPI(Comm):
 
     def _check_sender(self) -> None:
         """Before a receive, which may start to copy at once: the sender lives
-        (see ``LocalPeer``)"""
+        (see ``distributed.comm.mpi_liveness``)"""
         if self._sender is not None and self._sender.died():
             self.abort()
             raise CommClosedError(f"{self}: the peer process died")

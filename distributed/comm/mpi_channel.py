@@ -142,7 +142,7 @@ def start_mpi() -> concurrent.futures.Future:
 def _configure_ucx() -> None:
     """UCX copies a message from a peer on this host in segments, one per
     call into MPI; a chunk in one segment is copied within one call, after
-    we checked that its sender lives (see ``mpi_progress.LocalPeer``)"""
+    we checked that its sender lives (see ``distributed.comm.mpi_liveness``)"""
     os.environ.setdefault("UCX_CMA_SEG_SIZE", str(parse_bytes(config("chunk-size"))))
 
 
