@@ -253,7 +253,7 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         crashes = {known_mpi_crash(log.read_text(), victim_address) for log in logs}
         crashes.discard(None)
         if crashes:
-            pytest.xfail("Known MPICH/UCX limit, 1 run in 10: " + "; ".join(crashes))
+            pytest.xfail("Known MPICH/UCX limit (docs/mpi.rst): " + "; ".join(crashes))
     assert survivors == 2
 
 
