@@ -257,10 +257,10 @@ class MPI(Comm):
                     raise
             else:
                 port = (await _recv_handshake(stream))["port"]
-                if _peer_gone(stream):
+                acceptor = LocalPeer.find(peer)
+                if _peer_gone(stream) or (acceptor and acceptor.died()):
                     raise CommClosedError(
-                        f"{self._peer_addr} closed the connection while opening "
-                        "an MPI channel"
+                        f"{self._peer_addr} went away while opening an MPI channel"
                     )
             # No await from here on: the acceptor is waiting, or about to
             if same_world:

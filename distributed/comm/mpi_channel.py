@@ -18,11 +18,11 @@ peer dies half-way:
 - of two processes, the one whose ``process_id()`` sorts first accepts; a
   process waits in accept only for peers that sort after it;
 - the acceptor enters MPI first, as soon as it has sent its port name over
-  TCP, and gives up after ``channel-timeout``: MPICH survives an accept that
-  times out, but not a connect (the process aborts, or crashes in its next
-  connect), nor a connect to a process that is gone (UCX crashes);
+  TCP, and gives up after ``channel-timeout``;
 - so the connector connects only to an acceptor that is waiting: at once on
-  reading the port, and only if the TCP connection is still open.
+  reading the port, and only if the acceptor is still there.  MPICH with UCX
+  crashes in a connect to a process that is gone;
+- every port has a tag of its own (see :func:`open_port`).
 
 MPI is initialised by :func:`start_mpi`, on first use of an ``mpi://`` address,
 never on ``import distributed``.
@@ -38,6 +38,8 @@ import ctypes
 import functools
 import logging
 import os
+import re
+import secrets
 import socket
 import sys
 import threading
@@ -245,17 +247,16 @@ class Channel:
         """Open the channel; blocks until the peer connects to ``port``, or
         for ``timeout`` seconds (MPICH honours it; a peer that died in
         between would block us forever otherwise)"""
-        MPI = get_mpi()
         info = _timeout_info(timeout)
         try:
-            self._opened(MPI.COMM_SELF.Accept(port, info))
+            self._opened(get_mpi().COMM_SELF.Accept(port, info))
         finally:
             info.Free()
-            MPI.Close_port(port)
+            close_port(port)
 
     def connect(self, port: str, timeout: float) -> None:
-        """Open the channel with a peer waiting in accept; ``timeout`` is a
-        last resort (MPICH does not survive a connect that times out)"""
+        """Open the channel with a peer waiting in accept, or give up
+        after ``timeout`` seconds"""
         info = _timeout_info(timeout)
         try:
             self._opened(get_mpi().COMM_SELF.Connect(port, info))
@@ -331,8 +332,22 @@ def new_channel(peer: str, id: str | None = None) -> Channel:
 
 
 def open_port() -> str:
-    return get_mpi().Open_port()
+    """A port to accept one peer on, with a tag no other port is likely to
+    have.  MPICH (5.0, UCX netmod) gives every port of a process the lowest
+    free tag, 0 unless several are open, and matches the messages of accept
+    and connect by tag alone; an accept or connect that times out leaves its
+    receive posted, into memory it has freed, and the next one to use that
+    tag, in any pair of processes, would complete it instead of its own."""
+    port = get_mpi().Open_port()
+    tag = 1 + secrets.randbelow(2**28 - 1)  # forks share random's state
+    unique = _MPICH_PORT_TAG.sub(f"tag#{tag}$", port, 1)
+    _ports[unique] = port
+    return unique
 
 
 def close_port(port: str) -> None:
-    get_mpi().Close_port(port)
+    get_mpi().Close_port(_ports.pop(port, port))
+
+
+_MPICH_PORT_TAG = re.compile(r"^tag#\d+\$")
+_ports: dict[str, str] = {}  # the ports of open_port(), as MPI opened them

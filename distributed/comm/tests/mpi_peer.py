@@ -6,6 +6,12 @@ writes its address to FILE and echoes every message back, except
 
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips.
+
+``python -m distributed.comm.tests.mpi_peer port FILE`` opens an MPI port,
+writes it to FILE and never accepts on it.
+
+``python -m distributed.comm.tests.mpi_peer ping-after-timeout FILE ADDRESS``
+first tries to connect to the port in FILE, which must time out, then pings.
 """
 
 import asyncio
@@ -14,7 +20,7 @@ import sys
 
 import numpy as np
 
-from distributed.comm import CommClosedError, connect, listen
+from distributed.comm import CommClosedError, connect, listen, mpi_channel
 from distributed.protocol import to_serialize
 
 
@@ -31,9 +37,7 @@ async def handle(comm):
 
 async def serve(path):
     async with listen("mpi://127.0.0.1:0", handle) as listener:
-        with open(path + ".tmp", "w") as f:
-            f.write(listener.contact_address)
-        os.rename(path + ".tmp", path)
+        write(path, listener.contact_address)
         await asyncio.Event().wait()  # until killed
 
 
@@ -49,6 +53,30 @@ async def ping(address):
     print("ping ok", flush=True)
 
 
+async def port(path):
+    await mpi_channel.mpi_ready()
+    write(path, mpi_channel.open_port())
+    await asyncio.Event().wait()  # until killed
+
+
+async def ping_after_timeout(path, address):
+    MPI = await mpi_channel.mpi_ready()
+    with open(path) as f:
+        port = f.read()
+    try:
+        mpi_channel.new_channel("nobody").connect(port, timeout=1)
+    except MPI.Exception:
+        print("connect timed out", flush=True)
+    await ping(address)
+
+
+def write(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+
 if __name__ == "__main__":
-    command, arg = sys.argv[1:3]
-    asyncio.run(serve(arg) if command == "serve" else ping(arg))
+    commands = {"serve": serve, "ping": ping, "port": port}
+    commands["ping-after-timeout"] = ping_after_timeout
+    asyncio.run(commands[sys.argv[1]](*sys.argv[2:]))

@@ -79,6 +79,19 @@ def test_separate_mpiexec_jobs(server):
     assert "ping ok" in out
 
 
+def test_connect_that_timed_out_does_not_break_the_next(server, tmp_path):
+    """MPICH with UCX leaves the receive of a timed-out connect posted; the
+    next connect must not run into it"""
+    address, _ = server
+    path = str(tmp_path / "port")
+    with mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "port", path]) as idle:
+        wait_for_file(path, idle)
+        peer = ["-m", "distributed.comm.tests.mpi_peer", "ping-after-timeout"]
+        out = run_mpiexec(["-n", "1", *peer, path, address])
+    assert "connect timed out" in out
+    assert "ping ok" in out
+
+
 @pytest.mark.slow
 @gen_test(timeout=600)
 async def test_frame_larger_than_2_gib(server):
