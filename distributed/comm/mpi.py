@@ -434,7 +434,7 @@ class MPI(Comm):
         if not sent.done():
             self._writes.add(sent)
             sent.add_done_callback(self._sent)
-        self._ring()
+        self._ring_until_sent(sent)
         return nbytes
 
     def _sent(self, fut) -> None:
@@ -450,10 +450,20 @@ class MPI(Comm):
         finally:
             pending.discard(fut)
 
+    def _ring_until_sent(self, sent: asyncio.Future) -> None:
+        """Ring, and again every ``_ring_interval`` until the message is
+        sent: MPI may put it on the wire only in a later call (a connection
+        still being set up, a full queue), when the peer, woken too early,
+        has gone back to sleep"""
+        self._ring()
+        if not sent.done():
+            loop = asyncio.get_running_loop()
+            loop.call_later(self._ring_interval, self._ring_until_sent, sent)
+
     def _ring(self) -> None:
         """Wake the peer's progress engine, unless it was woken recently"""
         now = monotonic()
-        if now - self._rung > self._ring_interval:
+        if self.stream is not None and now - self._rung > self._ring_interval:
             self._rung = now
             try:
                 self.stream.write(_DOORBELL)
