@@ -77,6 +77,10 @@ def write(path, text):
 
 
 if __name__ == "__main__":
-    commands = {"serve": serve, "ping": ping, "port": port}
-    commands["ping-after-timeout"] = ping_after_timeout
+    commands = {
+        "serve": serve,
+        "ping": ping,
+        "port": port,
+        "ping-after-timeout": ping_after_timeout,
+    }
     asyncio.run(commands[sys.argv[1]](*sys.argv[2:]))

@@ -84,10 +84,10 @@ def test_connect_that_timed_out_does_not_break_the_next(server, tmp_path):
     next connect must not run into it"""
     address, _ = server
     path = str(tmp_path / "port")
-    with mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "port", path]) as idle:
+    peer = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
+    with mpiexec([*peer, "port", path]) as idle:
         wait_for_file(path, idle)
-        peer = ["-m", "distributed.comm.tests.mpi_peer", "ping-after-timeout"]
-        out = run_mpiexec(["-n", "1", *peer, path, address])
+        out = run_mpiexec([*peer, "ping-after-timeout", path, address])
     assert "connect timed out" in out
     assert "ping ok" in out
 
