@@ -207,8 +207,8 @@ def test_local_cluster(start):
 
 def known_mpi_crash(output: str) -> str | None:
     """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
-    those it has when a peer dies in the microseconds between mpi://'s last
-    check and MPI's first touch of its memory (see docs/mpi.rst)"""
+    those it has when a peer dies just after mpi://'s last check that it
+    lives, as MPI starts to touch its memory (see docs/mpi.rst)"""
     if "process_vm_readv" in output:
         return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
     connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
