@@ -9,7 +9,9 @@ progress engine (see ``distributed.comm.mpi_progress``).
 
 The TCP connection stays open for the comm's lifetime as a liveness signal
 and a doorbell: it ends when the peer closes the comm or dies, and a sender
-writes a byte to it to wake a receiver whose progress engine sleeps.
+writes a byte to it to wake a receiver whose progress engine sleeps.  Two
+processes that MPI failed to connect send their messages over it instead,
+as ``tcp://`` does: slower, but a cluster does not stall on a broken MPI.
 
 One Dask message is, on the sender's tag:
 
@@ -29,7 +31,6 @@ import json
 import logging
 import socket
 import struct
-import weakref
 from time import monotonic
 
 import dask
@@ -37,16 +38,16 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_channel
-from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
+from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import ACCEPTOR, config, get_mpi
 from distributed.comm.mpi_liveness import LocalPeer, beacon
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tcp import (
+    TCP,
     BaseTCPBackend,
     TCPConnector,
     TCPListener,
     convert_stream_closed_error,
-    set_tcp_timeout,
 )
 from distributed.comm.utils import from_frames, to_frames
 from distributed.protocol.utils import host_array
@@ -61,7 +62,7 @@ _CLOSE = 2
 # Handshake messages on the TCP connection: magic, length, JSON
 _HANDSHAKE = struct.Struct("!8sI")
 _MAGIC = b"DASK-MPI"
-_PROTOCOL = 1
+_PROTOCOL = 2
 _MAX_HANDSHAKE = 64 * 1024
 
 # Bytes on the TCP connection after the handshake
@@ -150,14 +151,14 @@ def _chunks(frame: memoryview, size: int) -> list[memoryview]:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
 
-class MPI(Comm):
-    """A comm whose messages travel over an MPI channel"""
+class MPI(TCP):
+    """A comm whose messages travel over an MPI channel; over its TCP
+    connection, like a ``tcp://`` comm, between two processes that MPI could
+    not connect"""
 
     def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
-        super().__init__(deserialize=deserialize)
-        self.stream = stream
-        self._local_addr = local_addr
-        self._peer_addr = peer_addr
+        super().__init__(stream, local_addr, peer_addr, deserialize)
+        self._over_tcp = False
         self._inline_size = parse_bytes(config("inline-size"))
         # Open MPI 5 has no large-count calls: keep each message below 2 GiB
         self._chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
@@ -172,25 +173,6 @@ class MPI(Comm):
         self._reads_over = False  # no more reads: the stream has ended
         self._reads: set = set()  # engine futures of reads in progress
         self._writes: set = set()  # ... and of writes
-        self._finalizer = weakref.finalize(self, stream.close)
-        self._finalizer.atexit = False
-        stream.set_nodelay(True)
-        set_tcp_timeout(stream)
-
-    @property
-    def local_address(self) -> str:
-        return self._local_addr
-
-    @property
-    def peer_address(self) -> str:
-        return self._peer_addr
-
-    @property
-    def extra_info(self):
-        return {}
-
-    def closed(self) -> bool:
-        return self._closed
 
     # Setting up
 
@@ -203,6 +185,10 @@ class MPI(Comm):
         if problem:
             await _send_handshake(stream, {"error": problem})
             raise ValueError(problem)
+        if not peer.get("mpi", True) or not mpi_channel.reachable(peer["process"]):
+            await _send_handshake(stream, {**_hello(), "mpi": False})
+            self._over_tcp = True
+            return
         channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
         new = channel is None
         if new:
@@ -210,8 +196,8 @@ class MPI(Comm):
         tag = channel.allocate_tags()
         reply = {**_hello(), "channel": channel.id, "tag": tag, "new": new}
         await _send_handshake(stream, reply)
-        if new:
-            await self._open(channel, peer)
+        if new and not await self._open(channel, peer):
+            return
         self._start(channel, peer, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
@@ -219,33 +205,48 @@ class MPI(Comm):
         await mpi_channel.mpi_ready()
         stream = self.stream
         known = mpi_channel.channel_for_address(self._peer_addr)
-        await _send_handshake(stream, {**_hello(), "channel": known and known.id})
+        hello = {
+            **_hello(),
+            "channel": known and known.id,
+            "mpi": mpi_channel.reachable(mpi_channel.peer_at(self._peer_addr)),
+        }
+        await _send_handshake(stream, hello)
         reply = await _recv_handshake(stream)
         problem = reply.get("error") or _incompatibility(reply)
         if problem:
             raise FatalCommClosedError(f"Cannot connect to {self._peer_addr}: {problem}")
         peer = reply["process"]
+        mpi_channel.remember_address(self._peer_addr, peer)
+        if reply.get("mpi") is False:
+            self._over_tcp = True
+            return
         if reply["new"]:
             channel = mpi_channel.new_channel(peer, reply["channel"])
-            await self._open(channel, reply)
+            if not await self._open(channel, reply):
+                return
         else:
             channel = mpi_channel.find_channel(reply["channel"], peer)
             if channel is None or channel.id != reply["channel"]:
                 raise FatalCommClosedError(
                     f"{self._peer_addr} proposed an unknown MPI channel"
                 )
-        mpi_channel.remember_address(self._peer_addr, channel)
         tag = reply["tag"]
         self._start(channel, reply, recv_tag=tag + 1, send_tag=tag)
 
-    async def _open(self, channel, peer: dict) -> None:
+    async def _open(self, channel, peer: dict) -> bool:
         """Open a new channel with the peer: the acceptor sends a port name
         (none for another rank of its own job) and enters MPI at once; the
         connector follows when it reads the port, if the acceptor is still
-        there (see ``distributed.comm.mpi_channel`` for why this order)"""
+        there (see ``distributed.comm.mpi_channel`` for why this order).
+
+        Whether both ends opened it.  If MPI failed at either end, both say
+        so, and this comm, and every later one between the two processes,
+        moves its messages over TCP: MPI that cannot connect two processes
+        may slow a cluster down, but must not stop it."""
         stream = self.stream
         same_world = _same_world(peer)
         timeout = parse_timedelta(config("channel-timeout"))
+        error = None
         try:
             if channel.role == ACCEPTOR:
                 port = None if same_world else mpi_channel.open_port()
@@ -270,9 +271,22 @@ class MPI(Comm):
             else:
                 channel.connect(port, timeout)
         except get_mpi().Exception as e:
-            raise FatalCommClosedError(
-                f"MPI could not connect to {self._peer_addr}: {e}"
-            ) from e
+            error = e
+        await _send_handshake(stream, {"opened": error is None})
+        opened = (await _recv_handshake(stream))["opened"] is True
+        if error is None and opened:
+            channel.register()
+            return True
+        logger.warning(
+            "MPI could not connect %s to %s (%s): their comms move their "
+            "messages over TCP from now on",
+            self._local_addr,
+            self._peer_addr,
+            error or "it failed at the other end",
+        )
+        mpi_channel.give_up_on(channel)
+        self._over_tcp = True
+        return False
 
     def _start(self, channel, peer: dict, recv_tag: int, send_tag: int) -> None:
         self._channel = channel
@@ -309,6 +323,8 @@ class MPI(Comm):
     # Reading and writing
 
     async def read(self, deserializers=None):
+        if self._over_tcp:
+            return await super().read(deserializers)
         if self._reads_over:
             raise CommClosedError(f"{self} is closed")
         channel, engine, sender = self._channel, self._engine, self._sender
@@ -380,6 +396,8 @@ class MPI(Comm):
             raise CommClosedError(f"{self}: the peer process died")
 
     async def write(self, msg, serializers=None, on_error="message"):
+        if self._over_tcp:
+            return await super().write(msg, serializers, on_error)
         if self._closed:
             raise CommClosedError(f"{self} is closed")
         frames = await to_frames(
@@ -479,6 +497,8 @@ class MPI(Comm):
     async def close(self):
         """Close after the messages written so far: the peer reads them,
         then ``CommClosedError``"""
+        if self._over_tcp:
+            return await super().close()
         stream, self.stream = self.stream, None
         was_open = not self._closed
         self._closed = self._reads_over = True

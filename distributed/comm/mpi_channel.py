@@ -22,7 +22,11 @@ peer dies half-way:
 - so the connector connects only to an acceptor that is waiting: at once on
   reading the port, and only if the acceptor is still there.  MPICH with UCX
   crashes in a connect to a process that is gone;
-- every port has a tag of its own (see :func:`open_port`).
+- every port has a tag of its own (see :func:`open_port`);
+- after a channel failed to open, whichever end failed, the two processes
+  do not try again (:func:`give_up_on`): a second failure would block both
+  for as long, and two processes that keep failing to connect, each blocked
+  while the other tries, would block each other for good.
 
 MPI is initialised by :func:`start_mpi`, on first use of an ``mpi://`` address,
 never on ``import distributed``.
@@ -59,6 +63,7 @@ _lock = threading.Lock()
 _channels: dict[str, Channel] = {}  # by channel id
 _latest: dict[str, Channel] = {}  # by peer process
 _addresses: dict[str, str] = {}  # peer process by listening address
+_unreachable: set[str] = set()  # peer processes MPI could not connect to
 
 # Which end of MPI_Comm_accept/connect a process was; each end allocates tags
 # from its own half of the tag space, so both can add comms to one channel.
@@ -280,6 +285,9 @@ class Channel:
     def _opened(self, comm, rank: int = 0) -> None:
         self.comm = comm
         self.rank = rank
+
+    def register(self) -> None:
+        """Use the channel, once both ends opened it"""
         with _lock:
             _channels[self.id] = self
             _latest[self.peer] = self
@@ -301,6 +309,7 @@ def self_channel() -> Channel:
     if channel is None:
         channel = Channel(me, me, ACCEPTOR)
         channel._opened(get_mpi().COMM_SELF.Dup())
+        channel.register()
     return channel
 
 
@@ -310,8 +319,27 @@ def channel_for_address(address: str) -> Channel | None:
     return peer and find_channel(None, peer)
 
 
-def remember_address(address: str, channel: Channel) -> None:
-    _addresses[address] = channel.peer
+def remember_address(address: str, peer: str) -> None:
+    _addresses[address] = peer
+
+
+def peer_at(address: str) -> str | None:
+    """The process last met at the listening ``address``, if any"""
+    return _addresses.get(address)
+
+
+def reachable(peer: str | None) -> bool:
+    """Whether to try MPI with process ``peer``"""
+    return peer not in _unreachable
+
+
+def give_up_on(channel: Channel) -> None:
+    """After MPI failed to open ``channel``: its peer is not worth another
+    try, which would block this process for ``channel-timeout`` again"""
+    _unreachable.add(channel.peer)
+    if channel.comm is not None:  # opened here, not at the other end
+        with contextlib.suppress(get_mpi().Exception):
+            channel.comm.Free()
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:

@@ -12,6 +12,10 @@ writes it to FILE and never accepts on it.
 
 ``python -m distributed.comm.tests.mpi_peer ping-after-timeout FILE ADDRESS``
 first tries to connect to the port in FILE, which must time out, then pings.
+
+``python -m distributed.comm.tests.mpi_peer ping-astray FILE ADDRESS`` pings
+twice, with every MPI connect sent to the port in FILE instead of the port
+the server offers: MPI fails to open the channel at both ends, for real.
 """
 
 import asyncio
@@ -70,6 +74,17 @@ async def ping_after_timeout(path, address):
     await ping(address)
 
 
+async def ping_astray(path, address):
+    with open(path) as f:
+        astray = f.read()
+    connect = mpi_channel.Channel.connect
+    mpi_channel.Channel.connect = lambda self, port, timeout: connect(
+        self, astray, timeout
+    )
+    await ping(address)
+    await ping(address)
+
+
 def write(path, text):
     with open(path + ".tmp", "w") as f:
         f.write(text)
@@ -82,5 +97,6 @@ if __name__ == "__main__":
         "ping": ping,
         "port": port,
         "ping-after-timeout": ping_after_timeout,
+        "ping-astray": ping_astray,
     }
     asyncio.run(commands[sys.argv[1]](*sys.argv[2:]))

@@ -92,6 +92,24 @@ def test_connect_that_timed_out_does_not_break_the_next(server, tmp_path):
     assert "ping ok" in out
 
 
+def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, tmp_path):
+    """A channel that MPI fails to open does not fail the comm: both ends
+    fall back to TCP for it, and for every later comm of the pair, which
+    then does not wait for MPI again"""
+    address, _ = server
+    path = str(tmp_path / "port")
+    peer = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
+    with mpiexec([*peer, "port", path]) as idle:
+        wait_for_file(path, idle)
+        out = run_mpiexec([*peer, "ping-astray", path, address])
+    assert out.count("ping ok") == 2, out
+    assert out.count("messages over TCP from now on") == 1, out
+    # The server goes on serving others over MPI
+    out = run_mpiexec([*peer, "ping", address])
+    assert "ping ok" in out
+    assert "over TCP" not in out
+
+
 @pytest.mark.slow
 @gen_test(timeout=600)
 async def test_frame_larger_than_2_gib(server):
