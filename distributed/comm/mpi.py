@@ -275,7 +275,6 @@ class MPI(TCP):
         await _send_handshake(stream, {"opened": error is None})
         opened = (await _recv_handshake(stream))["opened"] is True
         if error is None and opened:
-            channel.register()
             return True
         logger.warning(
             "MPI could not connect %s to %s (%s): their comms move their "

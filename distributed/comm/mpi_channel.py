@@ -285,9 +285,6 @@ class Channel:
     def _opened(self, comm, rank: int = 0) -> None:
         self.comm = comm
         self.rank = rank
-
-    def register(self) -> None:
-        """Use the channel, once both ends opened it"""
         with _lock:
             _channels[self.id] = self
             _latest[self.peer] = self
@@ -309,7 +306,6 @@ def self_channel() -> Channel:
     if channel is None:
         channel = Channel(me, me, ACCEPTOR)
         channel._opened(get_mpi().COMM_SELF.Dup())
-        channel.register()
     return channel
 
 
@@ -334,12 +330,15 @@ def reachable(peer: str | None) -> bool:
 
 
 def give_up_on(channel: Channel) -> None:
-    """After MPI failed to open ``channel``: its peer is not worth another
-    try, which would block this process for ``channel-timeout`` again"""
-    _unreachable.add(channel.peer)
-    if channel.comm is not None:  # opened here, not at the other end
-        with contextlib.suppress(get_mpi().Exception):
-            channel.comm.Free()
+    """After MPI failed to open ``channel``, here or at the other end: its
+    peer is not worth another try, which would block this process for
+    ``channel-timeout`` again"""
+    with _lock:
+        _unreachable.add(channel.peer)
+        if _channels.pop(channel.id, None) is not None:  # opened here only
+            _latest.pop(channel.peer, None)
+            with contextlib.suppress(get_mpi().Exception):
+                channel.comm.Free()
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:
