@@ -20,11 +20,14 @@ from distributed.utils_test import gen_test
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("mpi")]
 
+# One process of mpi_peer, under mpiexec: add its command
+PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
+
 
 @pytest.fixture
 def server(tmp_path):
     path = str(tmp_path / "address")
-    with mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]) as proc:
+    with mpiexec([*PEER, "serve", path]) as proc:
         yield wait_for_file(path, proc), proc
 
 
@@ -75,37 +78,38 @@ async def test_killed_peer_fails_pending_read(server):
 
 def test_separate_mpiexec_jobs(server):
     address, _ = server
-    out = run_mpiexec(["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "ping", address])
+    out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
 
 
-def test_connect_that_timed_out_does_not_break_the_next(server, tmp_path):
+@pytest.fixture
+def idle_port(tmp_path):
+    """The file of an MPI port that its process never accepts on"""
+    path = str(tmp_path / "port")
+    with mpiexec([*PEER, "port", path]) as idle:
+        wait_for_file(path, idle)
+        yield path
+
+
+def test_connect_that_timed_out_does_not_break_the_next(server, idle_port):
     """MPICH with UCX leaves the receive of a timed-out connect posted; the
     next connect must not run into it"""
     address, _ = server
-    path = str(tmp_path / "port")
-    peer = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
-    with mpiexec([*peer, "port", path]) as idle:
-        wait_for_file(path, idle)
-        out = run_mpiexec([*peer, "ping-after-timeout", path, address])
+    out = run_mpiexec([*PEER, "ping-after-timeout", idle_port, address])
     assert "connect timed out" in out
     assert "ping ok" in out
 
 
-def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, tmp_path):
+def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_port):
     """A channel that MPI fails to open does not fail the comm: both ends
     fall back to TCP for it, and for every later comm of the pair, which
     then does not wait for MPI again"""
     address, _ = server
-    path = str(tmp_path / "port")
-    peer = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
-    with mpiexec([*peer, "port", path]) as idle:
-        wait_for_file(path, idle)
-        out = run_mpiexec([*peer, "ping-astray", path, address])
+    out = run_mpiexec([*PEER, "ping-astray", idle_port, address])
     assert out.count("ping ok") == 2, out
     assert out.count("messages over TCP from now on") == 1, out
     # The server goes on serving others over MPI
-    out = run_mpiexec([*peer, "ping", address])
+    out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
     assert "over TCP" not in out
 
