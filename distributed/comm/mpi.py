@@ -185,7 +185,9 @@ class MPI(TCP):
         if problem:
             await _send_handshake(stream, {"error": problem})
             raise ValueError(problem)
-        if not peer.get("mpi", True) or not mpi_channel.reachable(peer["process"]):
+        # MPI failed between these two processes before: do not wait for it again
+        gave_up = peer.get("gave_up_on") == mpi_channel.process_id()
+        if gave_up or not mpi_channel.reachable(peer["process"]):
             await _send_handshake(stream, {**_hello(), "mpi": False})
             self._over_tcp = True
             return
@@ -205,10 +207,11 @@ class MPI(TCP):
         await mpi_channel.mpi_ready()
         stream = self.stream
         known = mpi_channel.channel_for_address(self._peer_addr)
+        last = mpi_channel.peer_at(self._peer_addr)  # may since have restarted
         hello = {
             **_hello(),
             "channel": known and known.id,
-            "mpi": mpi_channel.reachable(mpi_channel.peer_at(self._peer_addr)),
+            "gave_up_on": None if mpi_channel.reachable(last) else last,
         }
         await _send_handshake(stream, hello)
         reply = await _recv_handshake(stream)
