@@ -275,8 +275,15 @@ class MPI(TCP):
                 channel.connect(port, timeout)
         except get_mpi().Exception as e:
             error = e
-        await _send_handshake(stream, {"opened": error is None})
-        opened = (await _recv_handshake(stream))["opened"] is True
+        try:
+            await _send_handshake(stream, {"opened": error is None})
+            opened = (await _recv_handshake(stream))["opened"] is True
+        except StreamClosedError:
+            if error is None:
+                raise
+            raise CommClosedError(
+                f"{self._peer_addr} went away while opening an MPI channel: {error}"
+            ) from error
         if error is None and opened:
             return True
         logger.warning(
