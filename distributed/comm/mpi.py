@@ -206,8 +206,8 @@ class MPI(TCP):
         """The connecting end of the handshake"""
         await mpi_channel.mpi_ready()
         stream = self.stream
-        known = mpi_channel.channel_for_address(self._peer_addr)
         last = mpi_channel.peer_at(self._peer_addr)  # may since have restarted
+        known = last and mpi_channel.find_channel(None, last)
         hello = {
             **_hello(),
             "channel": known and known.id,

@@ -309,12 +309,6 @@ def self_channel() -> Channel:
     return channel
 
 
-def channel_for_address(address: str) -> Channel | None:
-    """The channel last used to reach the listener at ``address``"""
-    peer = _addresses.get(address)
-    return peer and find_channel(None, peer)
-
-
 def remember_address(address: str, peer: str) -> None:
     _addresses[address] = peer
 

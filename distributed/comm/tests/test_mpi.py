@@ -284,7 +284,11 @@ async def test_peer_with_another_mpi_library_is_refused():
     async with listen("mpi://127.0.0.1:0", echo) as listener:
         host, port = get_address_host_port(listener.contact_address)
         reader, writer = await asyncio.open_connection(host, port)
-        hello = {"protocol": _PROTOCOL, "process": "elsewhere/1/x", "library": "Other MPI 9.9"}
+        hello = {
+            "protocol": _PROTOCOL,
+            "process": "elsewhere/1/x",
+            "library": "Other MPI 9.9",
+        }
         body = json.dumps(hello).encode()
         writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
         magic, size = struct.unpack("!8sI", await reader.readexactly(12))
