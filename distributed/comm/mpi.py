@@ -9,9 +9,13 @@ progress engine (see ``distributed.comm.mpi_progress``).
 
 The TCP connection stays open for the comm's lifetime as a liveness signal
 and a doorbell: it ends when the peer closes the comm or dies, and a sender
-writes a byte to it to wake a receiver whose progress engine sleeps.  Two
-processes that MPI failed to connect send their messages over it instead,
-as ``tcp://`` does: slower, but a cluster does not stall on a broken MPI.
+rings it, saying how many messages it has written so far, to wake a receiver
+whose progress engine sleeps.  Two processes that MPI failed to connect send
+their messages over it instead, as ``tcp://`` does: slower, but a cluster
+does not stall on a broken MPI.  So do two processes between which MPI
+stopped delivering: messages rung for that it has not delivered within
+``distributed.comm.mpi.stall-timeout`` (UCX's shared-memory queue of a
+process can stay blocked for good when a process writing to it is killed).
 
 One Dask message is, on the sender's tag:
 
@@ -34,7 +38,7 @@ import struct
 from time import monotonic
 
 import dask
-from dask.utils import parse_bytes, parse_timedelta
+from dask.utils import format_time, parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_channel
@@ -62,12 +66,13 @@ _CLOSE = 2
 # Handshake messages on the TCP connection: magic, length, JSON
 _HANDSHAKE = struct.Struct("!8sI")
 _MAGIC = b"DASK-MPI"
-_PROTOCOL = 2
+_PROTOCOL = 3
 _MAX_HANDSHAKE = 64 * 1024
 
-# Bytes on the TCP connection after the handshake
-_DOORBELL = b"\x01"
-_CLOSING = b"\x00"
+# On the TCP connection after the handshake: doorbells (1, then the number of
+# messages written so far), and a closing byte (0) before a graceful close
+_DOORBELL = struct.Struct("!BQ")
+_RING, _CLOSING = 1, 0
 
 
 def _connect_timeout() -> float:
@@ -165,6 +170,16 @@ class MPI(TCP):
         # A woken engine polls for idle-after: ring at least twice as often
         self._ring_interval = parse_timedelta(config("idle-after")) / 2
         self._rung = float("-inf")
+        self._ring_later: asyncio.TimerHandle | None = None
+        self._written = 0  # messages written; a doorbell tells the peer
+        self._received = 0  # messages read
+        self._announced = 0  # messages the peer wrote, as last rung
+        self._stall_timeout = parse_timedelta(config("stall-timeout"))
+        self._stall_check: asyncio.TimerHandle | None = None
+        self._progress_at = 0.0  # a read started or received something
+        self._receiving: list = []  # requests of the frames being read
+        self._receiving_seen = 0  # how many of them were pending, last check
+        self._suspect_stall = False
         self._channel: mpi_channel.Channel | None = None
         self._engine: ProgressEngine | None = None
         self._sender: LocalPeer | None = None  # the peer, if on this host
@@ -303,6 +318,7 @@ class MPI(TCP):
         self._send_tag = send_tag
         self._engine = ProgressEngine.current()
         self._sender = LocalPeer.find(peer)
+        channel.comms.add(self)
         self._watcher = asyncio.ensure_future(self._watch_peer())
 
     async def _watch_peer(self) -> None:
@@ -310,11 +326,27 @@ class MPI(TCP):
         its end means the peer closed the comm or is gone"""
         stream = self.stream
         graceful = False
+        buffer = bytearray()
         try:
             while True:
-                data = await stream.read_bytes(4096, partial=True)
-                graceful = graceful or _CLOSING in data
+                buffer += await stream.read_bytes(4096, partial=True)
+                while buffer:
+                    if buffer[0] == _CLOSING:
+                        graceful = True
+                        del buffer[:1]
+                    elif buffer[0] != _RING:
+                        raise ValueError(f"garbage after the handshake: {buffer!r}")
+                    elif len(buffer) >= _DOORBELL.size:
+                        _, written = _DOORBELL.unpack_from(buffer)
+                        del buffer[: _DOORBELL.size]
+                        self._announced = max(self._announced, written)
+                    else:
+                        break  # the rest of a doorbell is still to come
                 self._engine.wake()
+                if self._announced > self._received:
+                    self._watch_for_stall()
+        except ValueError as e:
+            logger.warning("%s: %s", self, e)
         except StreamClosedError:
             pass
         if self._reads_over:
@@ -337,10 +369,12 @@ class MPI(TCP):
         if self._reads_over:
             raise CommClosedError(f"{self} is closed")
         channel, engine, sender = self._channel, self._engine, self._sender
+        self._progress_at = monotonic()
         try:
             message, nbytes = await self._await(
                 self._reads, engine.probe(channel.comm, channel.rank, self._recv_tag)
             )
+            self._progress_at = monotonic()
             self._check_sender()
             head = bytearray(nbytes)
             request = message.Irecv([head, get_mpi().BYTE])
@@ -363,6 +397,7 @@ class MPI(TCP):
                 for size in sizes:
                     frames.append(view[offset : offset + size])
                     offset += size
+                self._received += 1
             else:
                 frames = [host_array(size) for size in sizes]
                 self._check_sender()
@@ -373,9 +408,12 @@ class MPI(TCP):
                     for frame in frames
                     for chunk in _chunks(frame, self._chunk_size)
                 ]
+                self._receiving = requests
                 await self._await(
                     self._reads, engine.transfer(requests, frames, sender)
                 )
+                self._receiving = []
+                self._received += 1
         except CommClosedError:
             raise
         except get_mpi().Exception as e:
@@ -457,6 +495,7 @@ class MPI(TCP):
         # Like a TCP comm's write, return once the message is queued: waiting
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
+        self._written += 1
         sent = self._engine.transfer(requests, (head, frames))
         if not sent.done():
             self._writes.add(sent)
@@ -488,14 +527,74 @@ class MPI(TCP):
             loop.call_later(self._ring_interval, self._ring_until_sent, sent)
 
     def _ring(self) -> None:
-        """Wake the peer's progress engine, unless it was woken recently"""
-        now = monotonic()
-        if self.stream is not None and now - self._rung > self._ring_interval:
-            self._rung = now
+        """Wake the peer's progress engine and tell it how many messages were
+        written: at most once per ``_ring_interval``, and once more at its
+        end for those written in between"""
+        wait = self._rung + self._ring_interval - monotonic()
+        if wait > 0:
+            if self._ring_later is None:
+                loop = asyncio.get_running_loop()
+                self._ring_later = loop.call_later(wait, self._ring_again)
+            return
+        if self.stream is not None:
+            self._rung = monotonic()
             try:
-                self.stream.write(_DOORBELL)
+                self.stream.write(_DOORBELL.pack(_RING, self._written))
             except StreamClosedError:
                 pass
+
+    def _ring_again(self) -> None:
+        self._ring_later = None
+        self._ring()
+
+    # Noticing that MPI stopped delivering
+
+    def _watch_for_stall(self) -> None:
+        """The peer wrote messages not read yet: check that they arrive"""
+        if self._stall_check is None and not self._reads_over:
+            loop = asyncio.get_running_loop()
+            self._stall_check = loop.call_later(
+                self._stall_timeout / 4, self._check_stall
+            )
+
+    def _check_stall(self) -> None:
+        """Whether MPI delivered nothing for ``stall-timeout`` to a read
+        waiting for messages that the peer wrote: then it will not"""
+        self._stall_check = None
+        if self._reads_over or self._announced <= self._received:
+            return
+        now = monotonic()
+        receiving = sum(map(bool, self._receiving))  # completed ones are null
+        if receiving != self._receiving_seen:
+            self._progress_at = now
+            self._receiving_seen = receiving
+        if not self._reads or now - self._progress_at < self._stall_timeout:
+            self._suspect_stall = False
+        elif not self._suspect_stall:
+            # This event loop may have been busy: let the engine poll once
+            # more before concluding
+            self._suspect_stall = True
+            self._engine.wake()
+        else:
+            self._stalled()
+            return
+        self._watch_for_stall()
+
+    def _stalled(self) -> None:
+        channel = self._channel
+        logger.warning(
+            "MPI delivered nothing from %s to %s for %s, though %d message(s) "
+            "were written: their comms move their messages over TCP from now on",
+            self._peer_addr,
+            self._local_addr,
+            format_time(self._stall_timeout),
+            self._announced - self._received,
+        )
+        # Their messages in flight are lost: their comms fail, and new ones
+        # go over TCP
+        for comm in list(channel.comms):
+            comm.abort()
+        mpi_channel.give_up_on(channel)
 
     # Closing
 
@@ -524,7 +623,7 @@ class MPI(TCP):
                 )
                 # Nobody waits for it: a peer that closed too never reads it
                 self._engine.orphan([request], head)
-                await stream.write(_CLOSING)
+                await stream.write(bytes([_CLOSING]))
         except (StreamClosedError, get_mpi().Exception):
             pass
         finally:
@@ -535,6 +634,8 @@ class MPI(TCP):
         """Close now, dropping messages in flight"""
         stream, self.stream = self.stream, None
         self._closed = self._reads_over = True
+        if self._stall_check is not None:
+            self._stall_check.cancel()
         if self._engine is not None:
             self._fail(self._reads | self._writes, "aborted")
         if stream is not None and not stream.closed():

@@ -48,6 +48,7 @@ import socket
 import sys
 import threading
 import uuid
+import weakref
 
 import dask
 import psutil
@@ -237,6 +238,7 @@ class Channel:
         self.role = role  # which end of accept/connect this process was
         self.comm = None
         self.rank = 0  # the peer's rank in comm
+        self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
         self._next = 0
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
@@ -324,15 +326,17 @@ def reachable(peer: str | None) -> bool:
 
 
 def give_up_on(channel: Channel) -> None:
-    """After MPI failed to open ``channel``, here or at the other end: its
-    peer is not worth another try, which would block this process for
-    ``channel-timeout`` again"""
+    """After MPI failed to open ``channel``, here or at the other end, or
+    stopped delivering on it: its peer is not worth another try, which would
+    block this process for ``channel-timeout`` again, or lose messages"""
     with _lock:
         _unreachable.add(channel.peer)
-        if _channels.pop(channel.id, None) is not None:  # opened here only
+        opened = _channels.pop(channel.id, None) is not None  # here, at least
+        if opened:
             _latest.pop(channel.peer, None)
-            with contextlib.suppress(get_mpi().Exception):
-                channel.comm.Free()
+    if opened:
+        with contextlib.suppress(get_mpi().Exception):
+            channel.comm.Free()
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 
-from distributed.comm import CommClosedError, connect
+from distributed.comm import CommClosedError, connect, mpi_channel
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
 from distributed.utils_test import gen_test
@@ -112,6 +113,41 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_po
     out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
     assert "over TCP" not in out
+
+
+@gen_test(timeout=120)
+async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch):
+    """A message that MPI never delivers (as when a killed process left UCX's
+    shared-memory queue of the receiver blocked) does not stall the receiver:
+    after stall-timeout its comms with the sender fail and go over TCP"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "2s")
+    path = str(tmp_path / "address")
+    args = [*PEER, "serve", path]
+    with mpiexec(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        address = wait_for_file(path, proc)
+        comm = await connect(address)
+        await comm.write("over MPI")
+        assert await comm.read() == "over MPI"
+        # A real MPI message, on a tag the server never receives on
+        MPI = mpi_channel.get_mpi()
+        comm._send_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        await comm.write("lost")
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 30)
+
+        comm = await connect(address)
+        assert comm._over_tcp
+        await comm.write("over TCP")
+        assert await comm.read() == "over TCP"
+        await comm.close()
+        # The server goes on serving others over MPI
+        out = run_mpiexec([*PEER, "ping", address])
+        assert "ping ok" in out
+        assert "over TCP" not in out
+        proc.stop()
+        out = proc.stdout.read()
+    assert "MPI delivered nothing from" in out, out
+    assert out.count("messages over TCP from now on") == 1, out
 
 
 @pytest.mark.slow
