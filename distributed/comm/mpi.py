@@ -8,14 +8,17 @@ moves over MPI, with non-blocking buffer sends and receives driven by the
 progress engine (see ``distributed.comm.mpi_progress``).
 
 The TCP connection stays open for the comm's lifetime as a liveness signal
-and a doorbell: it ends when the peer closes the comm or dies, and a sender
-rings it, saying how many messages it has written so far, to wake a receiver
-whose progress engine sleeps.  Two processes that MPI failed to connect send
-their messages over it instead, as ``tcp://`` does: slower, but a cluster
-does not stall on a broken MPI.  So do two processes between which MPI
-stopped delivering: messages rung for that it has not delivered within
-``distributed.comm.mpi.stall-timeout`` (UCX's shared-memory queue of a
-process can stay blocked for good when a process writing to it is killed).
+and a doorbell: it ends when the peer closes the comm or dies, and each end
+rings it to wake the other's sleeping progress engine, saying how many
+messages it has written and read so far.  Two processes that MPI failed to
+connect send their messages over it instead, as ``tcp://`` does: slower, but
+a cluster does not stall on a broken MPI.  So do two processes between which
+MPI stopped delivering (UCX's shared-memory queue of a process can stay
+blocked for good when a process writing to it is killed): when a message
+rung for has not arrived within ``distributed.comm.mpi.stall-timeout``, the
+comm moves to TCP, and each end writes again there what the other has not
+read; a writer keeps its messages until the reader's doorbell says it read
+them.
 
 One Dask message is, on the sender's tag:
 
@@ -31,6 +34,8 @@ A head with the CLOSE flag ends the stream.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import logging
 import socket
@@ -69,10 +74,15 @@ _MAGIC = b"DASK-MPI"
 _PROTOCOL = 3
 _MAX_HANDSHAKE = 64 * 1024
 
-# On the TCP connection after the handshake: doorbells (1, then the number of
-# messages written so far), and a closing byte (0) before a graceful close
-_DOORBELL = struct.Struct("!BQ")
-_RING, _CLOSING = 1, 0
+# On the TCP connection after the handshake, a byte then its numbers (u64):
+# a doorbell, with the messages written and read so far; a switch to TCP,
+# with the messages read; or a closing byte, before a graceful close
+_DOORBELL, _SWITCH, _CLOSING = 1, 2, 0
+_COUNT = struct.Struct("!Q")
+
+
+class _MovedToTCP(Exception):
+    """A read over MPI gave up: the message comes again over TCP"""
 
 
 def _connect_timeout() -> float:
@@ -170,10 +180,17 @@ class MPI(TCP):
         # A woken engine polls for idle-after: ring at least twice as often
         self._ring_interval = parse_timedelta(config("idle-after")) / 2
         self._rung = float("-inf")
+        self._rung_counts = (0, 0)
         self._ring_later: asyncio.TimerHandle | None = None
-        self._written = 0  # messages written; a doorbell tells the peer
-        self._received = 0  # messages read
+        self._written = 0  # messages written over MPI
+        self._received = 0  # ... and read
         self._announced = 0  # messages the peer wrote, as last rung
+        # Messages written, until the peer rings that it read them:
+        # (number, msg, serializers, on_error)
+        self._unread: collections.deque = collections.deque()
+        self._reading: asyncio.Future | None = None  # done when a read leaves MPI
+        self._switch: asyncio.Future | None = None  # moving to TCP; done when moved
+        self._peer_switched: asyncio.Future | None = None  # its messages read
         self._stall_timeout = parse_timedelta(config("stall-timeout"))
         self._stall_check: asyncio.TimerHandle | None = None
         self._progress_at = 0.0  # a read started or received something
@@ -318,6 +335,7 @@ class MPI(TCP):
         self._send_tag = send_tag
         self._engine = ProgressEngine.current()
         self._sender = LocalPeer.find(peer)
+        self._peer_switched = asyncio.get_running_loop().create_future()
         channel.comms.add(self)
         self._watcher = asyncio.ensure_future(self._watch_peer())
 
@@ -326,35 +344,38 @@ class MPI(TCP):
         its end means the peer closed the comm or is gone"""
         stream = self.stream
         graceful = False
-        buffer = bytearray()
         try:
             while True:
-                buffer += await stream.read_bytes(4096, partial=True)
-                while buffer:
-                    if buffer[0] == _CLOSING:
-                        graceful = True
-                        del buffer[:1]
-                    elif buffer[0] != _RING:
-                        raise ValueError(f"garbage after the handshake: {buffer!r}")
-                    elif len(buffer) >= _DOORBELL.size:
-                        _, written = _DOORBELL.unpack_from(buffer)
-                        del buffer[: _DOORBELL.size]
-                        self._announced = max(self._announced, written)
-                    else:
-                        break  # the rest of a doorbell is still to come
-                self._engine.wake()
-                if self._announced > self._received:
-                    self._watch_for_stall()
-        except ValueError as e:
-            logger.warning("%s: %s", self, e)
+                kind = (await stream.read_bytes(1))[0]
+                if kind == _CLOSING:
+                    graceful = True
+                elif kind == _DOORBELL:
+                    (written,) = _COUNT.unpack(await stream.read_bytes(8))
+                    (read,) = _COUNT.unpack(await stream.read_bytes(8))
+                    self._announced = max(self._announced, written)
+                    while self._unread and self._unread[0][0] <= read:
+                        self._unread.popleft()
+                    self._engine.wake()
+                    if self._announced > self._received:
+                        self._watch_for_stall()
+                elif kind == _SWITCH:
+                    (read,) = _COUNT.unpack(await stream.read_bytes(8))
+                    self._move_to_tcp()
+                    if not self._peer_switched.done():
+                        self._peer_switched.set_result(read)
+                    return  # what follows is TCP messages, for read()
+                else:
+                    raise ValueError(f"unexpected byte {kind} after the handshake")
         except StreamClosedError:
             pass
+        except ValueError as e:
+            logger.warning("%s: %s", self, e)
         if self._reads_over:
             return  # closed here
         # Whatever the peer still had in flight will never be received
         self._closed = True
         self._fail(self._writes, "peer closed the connection")
-        if not graceful:
+        if not graceful or self._switch is not None:
             self.abort()
             return
         # Reads go on until the CLOSE head, sent before the TCP connection
@@ -364,21 +385,46 @@ class MPI(TCP):
     # Reading and writing
 
     async def read(self, deserializers=None):
+        if self._switch is not None:
+            await self._switch
         if self._over_tcp:
             return await super().read(deserializers)
         if self._reads_over:
             raise CommClosedError(f"{self} is closed")
+        reading = self._reading = asyncio.get_running_loop().create_future()
+        try:
+            frames = await self._read_over_mpi()
+        except _MovedToTCP:
+            frames = None
+        finally:
+            reading.set_result(None)
+        if frames is None:
+            await self._switch
+            return await super().read(deserializers)
+        self._ring_soon()  # tell the peer that it may forget the message
+        try:
+            return await from_frames(
+                frames,
+                deserialize=self.deserialize,
+                deserializers=deserializers,
+                allow_offload=self.allow_offload,
+            )
+        except EOFError:
+            self.abort()
+            raise CommClosedError("aborted stream on truncated data")
+
+    async def _read_over_mpi(self) -> list:
         channel, engine, sender = self._channel, self._engine, self._sender
         self._progress_at = monotonic()
         try:
-            message, nbytes = await self._await(
-                self._reads, engine.probe(channel.comm, channel.rank, self._recv_tag)
+            message, nbytes = await self._await_read(
+                engine.probe(channel.comm, channel.rank, self._recv_tag)
             )
             self._progress_at = monotonic()
             self._check_sender()
             head = bytearray(nbytes)
             request = message.Irecv([head, get_mpi().BYTE])
-            await self._await(self._reads, engine.transfer([request], head, sender))
+            await self._await_read(engine.transfer([request], head, sender))
 
             flags, nframes = _HEAD.unpack_from(head)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
@@ -409,12 +455,10 @@ class MPI(TCP):
                     for chunk in _chunks(frame, self._chunk_size)
                 ]
                 self._receiving = requests
-                await self._await(
-                    self._reads, engine.transfer(requests, frames, sender)
-                )
+                await self._await_read(engine.transfer(requests, frames, sender))
                 self._receiving = []
                 self._received += 1
-        except CommClosedError:
+        except (CommClosedError, _MovedToTCP):
             raise
         except get_mpi().Exception as e:
             self.abort()
@@ -423,17 +467,7 @@ class MPI(TCP):
             # Cancelled half-way: the stream's position is unknown
             self.abort()
             raise
-
-        try:
-            return await from_frames(
-                frames,
-                deserialize=self.deserialize,
-                deserializers=deserializers,
-                allow_offload=self.allow_offload,
-            )
-        except EOFError:
-            self.abort()
-            raise CommClosedError("aborted stream on truncated data")
+        return frames
 
     def _check_sender(self) -> None:
         """Before a receive, which may start to copy at once: the sender lives
@@ -443,6 +477,8 @@ class MPI(TCP):
             raise CommClosedError(f"{self}: the peer process died")
 
     async def write(self, msg, serializers=None, on_error="message"):
+        if self._switch is not None:
+            await self._switch
         if self._over_tcp:
             return await super().write(msg, serializers, on_error)
         if self._closed:
@@ -477,6 +513,9 @@ class MPI(TCP):
             frames = []
         if self._closed:
             raise CommClosedError(f"{self} is closed")
+        if self._switch is not None:  # while the message was serialised
+            await self._switch
+            return await super().write(msg, serializers, on_error)
 
         channel, MPI = self._channel, get_mpi()
         try:
@@ -496,6 +535,7 @@ class MPI(TCP):
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
         self._written += 1
+        self._unread.append((self._written, msg, serializers, on_error))
         sent = self._engine.transfer(requests, (head, frames))
         if not sent.done():
             self._writes.add(sent)
@@ -506,15 +546,20 @@ class MPI(TCP):
     def _sent(self, fut) -> None:
         self._writes.discard(fut)
         failed = fut.exception() is not None  # also marks it as retrieved
-        if failed and not self._closed:
+        if failed and not self._closed and self._switch is None:
             self.abort()  # MPI failed to send: the stream is broken
 
-    async def _await(self, pending: set, fut):
-        pending.add(fut)
+    async def _await_read(self, fut):
+        """Await an engine future of a read; give up if the comm is moving
+        to TCP, even if it completed: the peer will send it again there"""
+        self._reads.add(fut)
         try:
-            return await fut
+            result = await fut
         finally:
-            pending.discard(fut)
+            self._reads.discard(fut)
+        if self._switch is not None:
+            raise _MovedToTCP()
+        return result
 
     def _ring_until_sent(self, sent: asyncio.Future) -> None:
         """Ring, and again every ``_ring_interval`` until the message is
@@ -526,26 +571,36 @@ class MPI(TCP):
             loop = asyncio.get_running_loop()
             loop.call_later(self._ring_interval, self._ring_until_sent, sent)
 
-    def _ring(self) -> None:
-        """Wake the peer's progress engine and tell it how many messages were
-        written: at most once per ``_ring_interval``, and once more at its
-        end for those written in between"""
+    def _ring(self, news_only: bool = False) -> None:
+        """Wake the peer's progress engine and tell it how many messages this
+        end wrote and read: at most once per ``_ring_interval``, and once
+        more at its end with what changed in between"""
+        counts = (self._written, self._received)
+        if self._switch is not None or self.stream is None:
+            return  # the TCP connection carries TCP messages now, or nothing
+        if news_only and counts == self._rung_counts:
+            return
         wait = self._rung + self._ring_interval - monotonic()
         if wait > 0:
             if self._ring_later is None:
                 loop = asyncio.get_running_loop()
                 self._ring_later = loop.call_later(wait, self._ring_again)
             return
-        if self.stream is not None:
-            self._rung = monotonic()
-            try:
-                self.stream.write(_DOORBELL.pack(_RING, self._written))
-            except StreamClosedError:
-                pass
+        self._rung, self._rung_counts = monotonic(), counts
+        try:
+            self.stream.write(bytes([_DOORBELL]) + b"".join(map(_COUNT.pack, counts)))
+        except StreamClosedError:
+            pass
 
     def _ring_again(self) -> None:
         self._ring_later = None
-        self._ring()
+        self._ring(news_only=True)
+
+    def _ring_soon(self) -> None:
+        """Ring within ``_ring_interval``, unless a doorbell goes out sooner"""
+        if self._ring_later is None:
+            loop = asyncio.get_running_loop()
+            self._ring_later = loop.call_later(self._ring_interval, self._ring_again)
 
     # Noticing that MPI stopped delivering
 
@@ -561,7 +616,7 @@ class MPI(TCP):
         """Whether MPI delivered nothing for ``stall-timeout`` to a read
         waiting for messages that the peer wrote: then it will not"""
         self._stall_check = None
-        if self._reads_over or self._announced <= self._received:
+        if self._reads_over or self._switch is not None or self._announced <= self._received:
             return
         now = monotonic()
         receiving = sum(map(bool, self._receiving))  # completed ones are null
@@ -590,11 +645,38 @@ class MPI(TCP):
             format_time(self._stall_timeout),
             self._announced - self._received,
         )
-        # Their messages in flight are lost: their comms fail, and new ones
-        # go over TCP
         for comm in list(channel.comms):
-            comm.abort()
+            comm._move_to_tcp()
         mpi_channel.give_up_on(channel)
+
+    def _move_to_tcp(self) -> None:
+        """Start to move this comm to TCP, once: reads and writes in MPI give
+        up, both ends say over TCP how many messages they read, and write
+        there again those the other did not read"""
+        if self._switch is not None or self.stream is None:
+            return
+        self._switch = asyncio.get_running_loop().create_future()
+        for fut in list(self._reads):
+            self._engine.cancel(fut, _MovedToTCP())
+        for fut in list(self._writes):
+            self._engine.cancel(fut, CommClosedError(f"{self}: moved to TCP"))
+        asyncio.ensure_future(self._switch_to_tcp())
+
+    async def _switch_to_tcp(self) -> None:
+        try:
+            if self._reading is not None:
+                await self._reading  # and with it, what was read
+            self.stream.write(bytes([_SWITCH]) + _COUNT.pack(self._received))
+            read = await wait_for(self._peer_switched, _connect_timeout())
+            for number, msg, serializers, on_error in self._unread:
+                if number > read:
+                    await super().write(msg, serializers, on_error)
+            self._unread.clear()
+            self._over_tcp = True
+            self._switch.set_result(None)
+        except Exception as e:
+            logger.warning("%s: moving to TCP failed: %r", self, e)
+            self.abort()
 
     # Closing
 
@@ -605,6 +687,9 @@ class MPI(TCP):
     async def close(self):
         """Close after the messages written so far: the peer reads them,
         then ``CommClosedError``"""
+        if self._switch is not None:
+            with contextlib.suppress(CommClosedError):
+                await self._switch
         if self._over_tcp:
             return await super().close()
         stream, self.stream = self.stream, None
@@ -634,8 +719,13 @@ class MPI(TCP):
         """Close now, dropping messages in flight"""
         stream, self.stream = self.stream, None
         self._closed = self._reads_over = True
-        if self._stall_check is not None:
-            self._stall_check.cancel()
+        for timer in (self._stall_check, self._ring_later):
+            if timer is not None:
+                timer.cancel()
+        for fut in (self._switch, self._peer_switched):
+            if fut is not None and not fut.done():
+                fut.set_exception(CommClosedError(f"{self}: aborted"))
+                fut.exception()  # retrieved, though nobody may wait for it
         if self._engine is not None:
             self._fail(self._reads | self._writes, "aborted")
         if stream is not None and not stream.closed():

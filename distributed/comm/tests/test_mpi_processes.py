@@ -119,27 +119,37 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_po
 async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch):
     """A message that MPI never delivers (as when a killed process left UCX's
     shared-memory queue of the receiver blocked) does not stall the receiver:
-    after stall-timeout its comms with the sender fail and go over TCP"""
+    after stall-timeout the comms of the two processes go over TCP, and the
+    message is written again there"""
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "2s")
     path = str(tmp_path / "address")
     args = [*PEER, "serve", path]
     with mpiexec(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         address = wait_for_file(path, proc)
         comm = await connect(address)
-        await comm.write("over MPI")
-        assert await comm.read() == "over MPI"
+        other = await connect(address)  # over the same MPI channel
+        for c in (comm, other):
+            await c.write("over MPI")
+            assert await c.read() == "over MPI"
+        pending = asyncio.ensure_future(other.read())
         # A real MPI message, on a tag the server never receives on
         MPI = mpi_channel.get_mpi()
         comm._send_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        await comm.write("lost")
-        with pytest.raises(CommClosedError):
-            await asyncio.wait_for(comm.read(), 30)
-
-        comm = await connect(address)
+        array = np.arange(1000)  # sent at once: MPI's part is done
+        await comm.write({"op": "sum", "x": to_serialize(array)})
+        got = await asyncio.wait_for(comm.read(), 30)
+        assert got["sum"] == array.sum()
         assert comm._over_tcp
-        await comm.write("over TCP")
-        assert await comm.read() == "over TCP"
-        await comm.close()
+        # The other comm of the pair, waiting in a read, goes on over TCP too
+        await other.write("over TCP")
+        assert await pending == "over TCP"
+        assert other._over_tcp
+        # ... and so does a new one
+        new = await connect(address)
+        assert new._over_tcp
+        await new.write("new")
+        assert await new.read() == "new"
+        await asyncio.gather(*(c.close() for c in (comm, other, new)))
         # The server goes on serving others over MPI
         out = run_mpiexec([*PEER, "ping", address])
         assert "ping ok" in out
