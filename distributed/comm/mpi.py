@@ -22,9 +22,10 @@ them.
 
 One Dask message is, on the sender's tag:
 
-- a head: flags (u8), three padding bytes, the number of frames (u32), each
-  frame's size (u64) and where it lives (u8: 0 host memory, 1 a GPU); the
-  frames follow inside the head when the whole message fits in
+- a head: flags (u8), three padding bytes, the number of frames (u32), how
+  many messages the sender has read from the comm so far (u64), each frame's
+  size (u64) and where it lives (u8: 0 host memory, 1 a GPU); the frames
+  follow inside the head when the whole message fits in
   ``distributed.comm.mpi.inline-size``;
 - otherwise one MPI message per ``chunk-size`` piece of each non-empty frame.
 
@@ -64,7 +65,7 @@ from distributed.utils import ensure_memoryview, wait_for
 
 logger = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<BxxxI")
+_HEAD = struct.Struct("<BxxxIQ")
 _INLINE = 1
 _CLOSE = 2
 
@@ -180,7 +181,7 @@ class MPI(TCP):
         # A woken engine polls for idle-after: ring at least twice as often
         self._ring_interval = parse_timedelta(config("idle-after")) / 2
         self._rung = float("-inf")
-        self._rung_counts = (0, 0)
+        self._told = (0, 0)  # what the peer was told: messages written, read
         self._ring_later: asyncio.TimerHandle | None = None
         self._written = 0  # messages written over MPI
         self._received = 0  # ... and read
@@ -353,8 +354,7 @@ class MPI(TCP):
                     (written,) = _COUNT.unpack(await stream.read_bytes(8))
                     (read,) = _COUNT.unpack(await stream.read_bytes(8))
                     self._announced = max(self._announced, written)
-                    while self._unread and self._unread[0][0] <= read:
-                        self._unread.popleft()
+                    self._forget_read(read)
                     self._engine.wake()
                     if self._announced > self._received:
                         self._watch_for_stall()
@@ -401,7 +401,9 @@ class MPI(TCP):
         if frames is None:
             await self._switch
             return await super().read(deserializers)
-        self._ring_soon()  # tell the peer that it may forget the message
+        # Tell the peer that it may forget the message: in the head of the
+        # next message this end writes, or else in a doorbell
+        self._ring_soon()
         try:
             return await from_frames(
                 frames,
@@ -426,7 +428,8 @@ class MPI(TCP):
             request = message.Irecv([head, get_mpi().BYTE])
             await self._await_read(engine.transfer([request], head, sender))
 
-            flags, nframes = _HEAD.unpack_from(head)
+            flags, nframes, read = _HEAD.unpack_from(head)
+            self._forget_read(read)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
             offset = _HEAD.size + 8 * nframes
             if flags & _CLOSE:
@@ -503,12 +506,12 @@ class MPI(TCP):
         # mpi:// comms do not use distributed's "cuda" serializers (yet), so
         # every frame is in host memory: location 0
         head = [
-            _HEAD.pack(0, len(frames)),
+            _HEAD.pack(0, len(frames), self._received),
             struct.pack(f"<{len(sizes)}Q", *sizes),
             bytes(len(frames)),
         ]
         if _HEAD.size + 9 * len(sizes) + nbytes <= self._inline_size:
-            head[0] = _HEAD.pack(_INLINE, len(frames))
+            head[0] = _HEAD.pack(_INLINE, len(frames), self._received)
             head.extend(frames)
             frames = []
         if self._closed:
@@ -518,6 +521,7 @@ class MPI(TCP):
             return await super().write(msg, serializers, on_error)
 
         channel, MPI = self._channel, get_mpi()
+        self._told = (self._told[0], self._received)
         try:
             head = b"".join(head)
             requests = [
@@ -561,6 +565,13 @@ class MPI(TCP):
             raise _MovedToTCP()
         return result
 
+    def _forget_read(self, read: int) -> None:
+        """The peer read the first ``read`` messages: they are not written
+        again, should the comm move to TCP"""
+        unread = self._unread
+        while unread and unread[0][0] <= read:
+            unread.popleft()
+
     def _ring_until_sent(self, sent: asyncio.Future) -> None:
         """Ring, and again every ``_ring_interval`` until the message is
         sent: MPI may put it on the wire only in a later call (a connection
@@ -578,7 +589,7 @@ class MPI(TCP):
         counts = (self._written, self._received)
         if self._switch is not None or self.stream is None:
             return  # the TCP connection carries TCP messages now, or nothing
-        if news_only and counts == self._rung_counts:
+        if news_only and counts == self._told:
             return
         wait = self._rung + self._ring_interval - monotonic()
         if wait > 0:
@@ -586,7 +597,7 @@ class MPI(TCP):
                 loop = asyncio.get_running_loop()
                 self._ring_later = loop.call_later(wait, self._ring_again)
             return
-        self._rung, self._rung_counts = monotonic(), counts
+        self._rung, self._told = monotonic(), counts
         try:
             self.stream.write(bytes([_DOORBELL]) + b"".join(map(_COUNT.pack, counts)))
         except StreamClosedError:
@@ -701,7 +712,7 @@ class MPI(TCP):
             return
         try:
             if was_open and self._channel is not None:
-                head = _HEAD.pack(_CLOSE, 0)
+                head = _HEAD.pack(_CLOSE, 0, self._received)
                 channel = self._channel
                 request = channel.comm.Isend(
                     [head, get_mpi().BYTE], channel.rank, self._send_tag
