@@ -627,7 +627,9 @@ class MPI(TCP):
         """Whether MPI delivered nothing for ``stall-timeout`` to a read
         waiting for messages that the peer wrote: then it will not"""
         self._stall_check = None
-        if self._reads_over or self._switch is not None or self._announced <= self._received:
+        if self._reads_over or self._switch is not None:
+            return
+        if self._announced <= self._received:
             return
         now = monotonic()
         receiving = sum(map(bool, self._receiving))  # completed ones are null
@@ -730,6 +732,7 @@ class MPI(TCP):
         """Close now, dropping messages in flight"""
         stream, self.stream = self.stream, None
         self._closed = self._reads_over = True
+        self._unread.clear()
         for timer in (self._stall_check, self._ring_later):
             if timer is not None:
                 timer.cancel()

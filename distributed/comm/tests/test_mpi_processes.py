@@ -123,8 +123,8 @@ async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch
     message is written again there"""
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "2s")
     path = str(tmp_path / "address")
-    args = [*PEER, "serve", path]
-    with mpiexec(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with mpiexec([*PEER, "serve", path], **output) as proc:
         address = wait_for_file(path, proc)
         comm = await connect(address)
         other = await connect(address)  # over the same MPI channel
