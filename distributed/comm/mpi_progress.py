@@ -142,7 +142,6 @@ class ProgressEngine:
 
     def _poll(self) -> None:
         self._handle = None
-        self._drop_dead_senders()
         progressed = self._test_transfers() | self._test_probes()
         if self._orphans:
             self._test_orphans()
@@ -162,11 +161,16 @@ class ProgressEngine:
         # else: only waiting for new messages, and idle: sleep until woken
 
     def _drop_dead_senders(self) -> None:
-        died: dict[int, bool] = {}  # by pid: ask once per process
+        """Cancel the receives from senders that died: before every call into
+        MPI, any of which may copy from any of them (a poll makes several)"""
+        if not self._senders:
+            return
+        peers = {peer.pid: peer for peer in self._senders.values()}
+        dead = {pid for pid, peer in peers.items() if peer.died()}
+        if not dead:
+            return
         for fut, peer in list(self._senders.items()):
-            if peer.pid not in died:
-                died[peer.pid] = peer.died()
-            if died[peer.pid] and not fut.done():
+            if peer.pid in dead and not fut.done():
                 self.cancel(fut, CommClosedError("the peer process died"))
 
     def _test_transfers(self) -> bool:
@@ -174,6 +178,9 @@ class ProgressEngine:
         # so the engine keeps polling without sleeping while data flows.
         progressed = False
         for fut, (requests, _) in list(self._transfers.items()):
+            self._drop_dead_senders()
+            if fut not in self._transfers:
+                continue  # its sender died
             try:
                 completed = self._MPI.Request.Testsome(requests)
             except self._MPI.Exception as e:
@@ -201,6 +208,7 @@ class ProgressEngine:
                 del self._probes[fut]
                 continue
             status = self._MPI.Status()
+            self._drop_dead_senders()
             try:
                 message = comm.Improbe(source, tag, status)
             except self._MPI.Exception as e:
@@ -217,6 +225,7 @@ class ProgressEngine:
         now = self._loop.time()
         pending = []
         for requests, keepalive, deadline in self._orphans:
+            self._drop_dead_senders()
             try:
                 if self._MPI.Request.Testall(requests):
                     continue
