@@ -299,7 +299,9 @@ class MPI(TCP):
                     raise CommClosedError(
                         f"{self._peer_addr} went away while opening an MPI channel"
                     )
-            # No await from here on: the acceptor is waiting, or about to
+            # No await from here on: the acceptor is waiting, or about to.
+            # MPI progresses every receive while it blocks here
+            ProgressEngine.current().drop_dead_senders()
             if same_world:
                 channel.join(peer["world"][1])
             elif channel.role == ACCEPTOR:

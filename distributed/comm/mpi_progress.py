@@ -88,7 +88,7 @@ class ProgressEngine:
             fut.add_done_callback(self._senders.pop)
         # Just before MPI may start to copy: the less time in between, the
         # smaller the chance that a sender dies unseen
-        self._drop_dead_senders()
+        self.drop_dead_senders()
         if fut.done():
             return fut
         if self._MPI.Request.Testall(requests):
@@ -160,7 +160,7 @@ class ProgressEngine:
             self._handle = self._loop.call_later(self._delay, self._poll)
         # else: only waiting for new messages, and idle: sleep until woken
 
-    def _drop_dead_senders(self) -> None:
+    def drop_dead_senders(self) -> None:
         """Cancel the receives from senders that died: before every call into
         MPI, any of which may copy from any of them (a poll makes several)"""
         if not self._senders:
@@ -178,7 +178,7 @@ class ProgressEngine:
         # so the engine keeps polling without sleeping while data flows.
         progressed = False
         for fut, (requests, _) in list(self._transfers.items()):
-            self._drop_dead_senders()
+            self.drop_dead_senders()
             if fut not in self._transfers:
                 continue  # its sender died
             try:
@@ -208,7 +208,7 @@ class ProgressEngine:
                 del self._probes[fut]
                 continue
             status = self._MPI.Status()
-            self._drop_dead_senders()
+            self.drop_dead_senders()
             try:
                 message = comm.Improbe(source, tag, status)
             except self._MPI.Exception as e:
@@ -225,7 +225,7 @@ class ProgressEngine:
         now = self._loop.time()
         pending = []
         for requests, keepalive, deadline in self._orphans:
-            self._drop_dead_senders()
+            self.drop_dead_senders()
             try:
                 if self._MPI.Request.Testall(requests):
                     continue
