@@ -278,10 +278,14 @@ def test_scheduler_on_mpi_and_tcp(tmp_path):
     scheduler[scheduler.index("--protocol") + 1] = "mpi,tcp"
     scheduler[scheduler.index("--port") + 1] = f"{open_port()},{(tcp := open_port())}"
     with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
-        host = get_address_host(json.loads(wait_for_file(scheduler_file, job))["address"])
+        host = get_address_host(
+            json.loads(wait_for_file(scheduler_file, job))["address"]
+        )
         with Client(f"tcp://{host}:{tcp}", timeout=60) as client:
             client.wait_for_workers(2, timeout=60)
-            assert all(a.startswith("mpi://") for a in client.scheduler_info()["workers"])
+            assert all(
+                a.startswith("mpi://") for a in client.scheduler_info()["workers"]
+            )
             assert_moves_data(client)
             client.shutdown()
         assert job.wait(60) == 0
@@ -300,7 +304,7 @@ def test_workers_join_and_leave(tmp_path):
             with mpiexec(["-n", "2", *worker]) as later:
                 client.wait_for_workers(3, timeout=60)
                 # A lambda travels by value: workers cannot import this module
-                pid_after = lambda seconds: (time.sleep(seconds), os.getpid())[1]  # noqa: E731
+                pid_after = lambda s: (time.sleep(s), os.getpid())[1]  # noqa: E731
                 futures = client.map(pid_after, [0.05] * 60, pure=False)
                 pids = set(client.gather(futures))
                 assert len(pids) == 3, "the new workers were not used"

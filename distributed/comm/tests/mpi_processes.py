@@ -76,10 +76,10 @@ class Job(subprocess.Popen):
 def mpiexec(args: list[str], **kwargs):
     """Run ``mpiexec <args>``, where ``-m module`` runs with this Python;
     stop the whole job on exit"""
-    args = [a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])]
-    proc = Job(
-        [mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs
-    )
+    args = [
+        a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])
+    ]
+    proc = Job([mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs)
     try:
         yield proc
     finally:
@@ -88,7 +88,9 @@ def mpiexec(args: list[str], **kwargs):
 
 
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:
-    with mpiexec(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with mpiexec(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
         out, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, out
         return out
@@ -98,7 +100,9 @@ def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before writing {path}")
+            raise RuntimeError(
+                f"process exited with {proc.returncode} before writing {path}"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} not written within {timeout}s")
         time.sleep(0.05)
