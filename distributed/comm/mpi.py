@@ -48,6 +48,7 @@ from dask.utils import format_time, parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_channel
+from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import ACCEPTOR, config, get_mpi
 from distributed.comm.mpi_liveness import LocalPeer, beacon
@@ -84,6 +85,21 @@ _COUNT = struct.Struct("!Q")
 
 class _MovedToTCP(Exception):
     """A read over MPI gave up: the message comes again over TCP"""
+
+
+class _Refused(ValueError):
+    """A peer that cannot talk to this process over MPI"""
+
+
+_refusals: set[str] = set()
+
+
+def _log_refusal(message: str) -> None:
+    """Log why MPI cannot connect two processes, once: a refused worker
+    retries for good, saying only that it waits for its scheduler"""
+    if message not in _refusals:
+        _refusals.add(message)
+        logger.warning(message)
 
 
 def _connect_timeout() -> float:
@@ -217,7 +233,11 @@ class MPI(TCP):
         problem = _incompatibility(peer)
         if problem:
             await _send_handshake(stream, {"error": problem})
-            raise ValueError(problem)
+            _log_refusal(
+                f"mpi:// listener at {self._local_addr} refuses connections "
+                f"from {get_address_host(self._peer_addr)}: {problem}"
+            )
+            raise _Refused(problem)
         # MPI failed between these two processes before: do not wait for it again
         gave_up = peer.get("gave_up_on") == mpi_channel.process_id()
         if gave_up or not mpi_channel.reachable(peer["process"]):
@@ -250,7 +270,9 @@ class MPI(TCP):
         reply = await _recv_handshake(stream)
         problem = reply.get("error") or _incompatibility(reply)
         if problem:
-            raise FatalCommClosedError(f"Cannot connect to {self._peer_addr}: {problem}")
+            message = f"Cannot connect to {self._peer_addr}: {problem}"
+            _log_refusal(message)
+            raise FatalCommClosedError(message)
         peer = reply["process"]
         mpi_channel.remember_address(self._peer_addr, peer)
         if reply.get("mpi") is False:
@@ -500,7 +522,9 @@ class MPI(TCP):
             },
             # Large frames travel in chunk-size pieces anyway, and shards would
             # be copied together again on arrival: shard only to compress
-            frame_split_size=None if self.handshake_options.get("compression") else 2**62,
+            frame_split_size=(
+                None if self.handshake_options.get("compression") else 2**62
+            ),
         )
         frames = [ensure_memoryview(frame) for frame in frames]
         sizes = [frame.nbytes for frame in frames]
@@ -780,12 +804,13 @@ class MPIListener(TCPListener):
             await wait_for(comm._accept(), _connect_timeout())
         except Exception as e:
             # A bad peer fails alone: the listener goes on serving others
-            logger.warning(
-                "mpi:// listener at %s: connection from %s failed: %s",
-                self.contact_address,
-                comm.peer_address,
-                e or type(e).__name__,
-            )
+            if not isinstance(e, _Refused):  # logged once, by _accept
+                logger.warning(
+                    "mpi:// listener at %s: connection from %s failed: %s",
+                    self.contact_address,
+                    comm.peer_address,
+                    e or type(e).__name__,
+                )
             comm.abort()
             raise CommClosedError(f"MPI handshake failed: {e}") from e
         await super().on_connection(comm, handshake_overrides)

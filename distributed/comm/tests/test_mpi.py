@@ -5,7 +5,9 @@ Tests with peers in other processes are in test_mpi_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -28,12 +30,13 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
+from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import _PROTOCOL
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.registry import backends
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
-from distributed.utils_test import gen_test, inc
+from distributed.utils_test import captured_logger, gen_test, inc
 
 pytestmark = pytest.mark.usefixtures("mpi")
 
@@ -156,7 +159,9 @@ async def test_comms_to_one_listener_are_isolated():
 
         async def talk(i, comm):
             for j in range(20):
-                await comm.write({"comm": i, "j": j, "payload": to_serialize(np.full(i * 997, j))})
+                await comm.write(
+                    {"comm": i, "j": j, "payload": to_serialize(np.full(i * 997, j))}
+                )
                 got = await comm.read()
                 assert (got["comm"], got["j"]) == (i, j)
                 assert (got["payload"] == j).all() and got["payload"].size == i * 997
@@ -260,7 +265,9 @@ async def test_deserialize(deserialize_on_read):
             np.testing.assert_array_equal(msg["x"], array)
         else:
             assert isinstance(msg["x"], Serialized)
-            np.testing.assert_array_equal(deserialize(msg["x"].header, msg["x"].frames), array)
+            np.testing.assert_array_equal(
+                deserialize(msg["x"].header, msg["x"].frames), array
+            )
         await comm.close()
 
 
@@ -276,29 +283,61 @@ async def test_garbage_handshake_does_not_stop_listener():
         await assert_serves(listener)
 
 
+async def say_hello(address, hello: dict) -> dict:
+    """Send a handshake to an mpi:// listener; its reply"""
+    host, port = get_address_host_port(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    body = json.dumps(hello).encode()
+    writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
+    magic, size = struct.unpack("!8sI", await reader.readexactly(12))
+    reply = json.loads(await reader.readexactly(size))
+    assert await reader.read() == b""  # and the connection is closed
+    writer.close()
+    return reply
+
+
 @gen_test()
 async def test_peer_with_another_mpi_library_is_refused():
-    import json
-    import struct
-
+    hello = {
+        "protocol": _PROTOCOL,
+        "process": "elsewhere/1/x",
+        "library": "Other MPI 9.9",
+    }
     async with listen("mpi://127.0.0.1:0", echo) as listener:
-        host, port = get_address_host_port(listener.contact_address)
-        reader, writer = await asyncio.open_connection(host, port)
-        hello = {
-            "protocol": _PROTOCOL,
-            "process": "elsewhere/1/x",
-            "library": "Other MPI 9.9",
-        }
-        body = json.dumps(hello).encode()
-        writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
-        magic, size = struct.unpack("!8sI", await reader.readexactly(12))
-        reply = json.loads(await reader.readexactly(size))
-        assert "Other MPI 9.9" in reply["error"]
-        assert "same MPI library" in reply["error"]
-        assert await reader.read() == b""  # and the connection is closed
-        writer.close()
+        with captured_logger("distributed.comm.mpi") as log:
+            for _ in range(3):  # a refused worker retries for good
+                reply = await say_hello(listener.contact_address, hello)
+                assert "Other MPI 9.9" in reply["error"]
+                assert "same MPI library" in reply["error"]
+        # Said once, with the reason
+        assert log.getvalue().count("refuses connections from 127.0.0.1") == 1
+        assert "same MPI library" in log.getvalue()
 
         await assert_serves(listener)
+
+
+@gen_test()
+async def test_refused_connector_says_why_once():
+    """The refused end logs the reason too: a worker that cannot register
+    retries for good, and itself only says that it waits"""
+
+    async def refuse(reader, writer):
+        await reader.readexactly(12)
+        body = json.dumps({"error": "no MPI for you"}).encode()
+        writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with captured_logger("distributed.comm.mpi") as log:
+            for _ in range(3):
+                with pytest.raises(FatalCommClosedError, match="no MPI for you"):
+                    await connect(f"mpi://127.0.0.1:{port}", timeout=5)
+        assert log.getvalue().count("no MPI for you") == 1
+    finally:
+        server.close()
 
 
 @gen_test()
@@ -329,7 +368,9 @@ async def test_scheduler_port_and_worker_protocol():
 @gen_test()
 async def test_scheduler_on_mpi_and_tcp():
     """Workers on mpi://, a client from outside the MPI job on tcp://"""
-    async with Scheduler(protocol=["mpi", "tcp"], port=[0, 0], dashboard_address=":0") as s:
+    async with Scheduler(
+        protocol=["mpi", "tcp"], port=[0, 0], dashboard_address=":0"
+    ) as s:
         mpi_address, tcp_address = s.listen_address, s.listeners[1].contact_address
         assert mpi_address.startswith("mpi://") and tcp_address.startswith("tcp://")
         async with Worker(mpi_address) as w:
@@ -342,18 +383,29 @@ async def test_scheduler_on_mpi_and_tcp():
 async def test_cluster_in_one_process_moves_data_between_workers():
     da = pytest.importorskip("dask.array")
     async with Scheduler(protocol="mpi", dashboard_address=":0") as s:
-        async with Worker(s.address, nthreads=1) as a, Worker(s.address, nthreads=1) as b:
+        async with Worker(s.address, nthreads=1) as a, Worker(
+            s.address, nthreads=1
+        ) as b:
             async with Client(s.address, asynchronous=True) as c:
                 x = da.random.RandomState(0).random((400, 400), chunks=(100, 100))
                 expected = (x + x.T).sum().compute(scheduler="sync")
                 got = await c.compute((x + x.T).sum())
                 assert np.isclose(got, expected)
-                assert a.state.transfer_incoming_count_total + b.state.transfer_incoming_count_total > 0
+                assert (
+                    a.state.transfer_incoming_count_total
+                    + b.state.transfer_incoming_count_total
+                    > 0
+                )
 
 
 @gen_test()
 async def test_config_bounds_used():
-    with dask.config.set({"distributed.comm.mpi.inline-size": "16B", "distributed.comm.mpi.chunk-size": "1kiB"}):
+    with dask.config.set(
+        {
+            "distributed.comm.mpi.inline-size": "16B",
+            "distributed.comm.mpi.chunk-size": "1kiB",
+        }
+    ):
         async with listen("mpi://127.0.0.1:0", echo) as listener:
             comm = await connect(listener.contact_address)
             payload = to_serialize(np.arange(10_000))
