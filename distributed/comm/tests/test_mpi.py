@@ -283,12 +283,17 @@ async def test_garbage_handshake_does_not_stop_listener():
         await assert_serves(listener)
 
 
+def handshake(message: dict) -> bytes:
+    """A handshake message as mpi:// sends it: magic, length, JSON"""
+    body = json.dumps(message).encode()
+    return struct.pack("!8sI", b"DASK-MPI", len(body)) + body
+
+
 async def say_hello(address, hello: dict) -> dict:
     """Send a handshake to an mpi:// listener; its reply"""
     host, port = get_address_host_port(address)
     reader, writer = await asyncio.open_connection(host, port)
-    body = json.dumps(hello).encode()
-    writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
+    writer.write(handshake(hello))
     magic, size = struct.unpack("!8sI", await reader.readexactly(12))
     reply = json.loads(await reader.readexactly(size))
     assert await reader.read() == b""  # and the connection is closed
@@ -323,8 +328,7 @@ async def test_refused_connector_says_why_once():
 
     async def refuse(reader, writer):
         await reader.readexactly(12)
-        body = json.dumps({"error": "no MPI for you"}).encode()
-        writer.write(struct.pack("!8sI", b"DASK-MPI", len(body)) + body)
+        writer.write(handshake({"error": "no MPI for you"}))
         await writer.drain()
         writer.close()
 
