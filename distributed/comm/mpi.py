@@ -41,6 +41,7 @@ import json
 import logging
 import socket
 import struct
+import weakref
 from time import monotonic
 
 import dask
@@ -81,6 +82,7 @@ _MAX_HANDSHAKE = 64 * 1024
 # with the messages read; or a closing byte, before a graceful close
 _DOORBELL, _SWITCH, _CLOSING = 1, 2, 0
 _COUNT = struct.Struct("!Q")
+_COUNTS = struct.Struct("!QQ")
 
 
 class _MovedToTCP(Exception):
@@ -112,12 +114,20 @@ async def _send_handshake(stream, msg: dict) -> None:
 
 
 async def _recv_handshake(stream) -> dict:
+    """The peer's next handshake message; FatalCommClosedError if what it
+    sent is not one: it does not speak mpi://, and will not when asked again"""
     magic, size = _HANDSHAKE.unpack(await stream.read_bytes(_HANDSHAKE.size))
     if magic != _MAGIC or size > _MAX_HANDSHAKE:
-        raise ValueError("not an mpi:// handshake")
-    msg = json.loads(await stream.read_bytes(size))
+        raise FatalCommClosedError(
+            "the peer did not answer with an mpi:// handshake: is its address "
+            "an mpi:// address?"
+        )
+    try:
+        msg = json.loads(await stream.read_bytes(size))
+    except ValueError:
+        msg = None
     if not isinstance(msg, dict):
-        raise ValueError("not an mpi:// handshake")
+        raise FatalCommClosedError("the peer sent a malformed mpi:// handshake")
     return msg
 
 
@@ -362,38 +372,26 @@ class MPI(TCP):
         self._sender = LocalPeer.find(peer)
         self._peer_switched = asyncio.get_running_loop().create_future()
         channel.comms.add(self)
-        self._watcher = asyncio.ensure_future(self._watch_peer())
+        self._watcher = asyncio.ensure_future(
+            _watch_peer(weakref.ref(self), self.stream)
+        )
 
-    async def _watch_peer(self) -> None:
-        """Follow the TCP connection: a doorbell wakes the progress engine,
-        its end means the peer closed the comm or is gone"""
-        stream = self.stream
-        graceful = False
-        try:
-            while True:
-                kind = (await stream.read_bytes(1))[0]
-                if kind == _CLOSING:
-                    graceful = True
-                elif kind == _DOORBELL:
-                    (written,) = _COUNT.unpack(await stream.read_bytes(8))
-                    (read,) = _COUNT.unpack(await stream.read_bytes(8))
-                    self._announced = max(self._announced, written)
-                    self._forget_read(read)
-                    self._engine.wake()
-                    if self._announced > self._received:
-                        self._watch_for_stall()
-                elif kind == _SWITCH:
-                    (read,) = _COUNT.unpack(await stream.read_bytes(8))
-                    self._move_to_tcp()
-                    if not self._peer_switched.done():
-                        self._peer_switched.set_result(read)
-                    return  # what follows is TCP messages, for read()
-                else:
-                    raise ValueError(f"unexpected byte {kind} after the handshake")
-        except StreamClosedError:
-            pass
-        except ValueError as e:
-            logger.warning("%s: %s", self, e)
+    def _heard_doorbell(self, written: int, read: int) -> None:
+        """The peer wrote and read this many messages"""
+        self._announced = max(self._announced, written)
+        self._forget_read(read)
+        self._engine.wake()
+        if self._announced > self._received:
+            self._watch_for_stall()
+
+    def _heard_switch(self, read: int) -> None:
+        """The peer moves to TCP, having read this many messages"""
+        self._move_to_tcp()
+        if not self._peer_switched.done():
+            self._peer_switched.set_result(read)
+
+    def _peer_closed(self, graceful: bool) -> None:
+        """The TCP connection ended: the peer closed the comm or is gone"""
         if self._reads_over:
             return  # closed here
         # Whatever the peer still had in flight will never be received
@@ -625,7 +623,7 @@ class MPI(TCP):
             return
         self._rung, self._told = monotonic(), counts
         try:
-            self.stream.write(bytes([_DOORBELL]) + b"".join(map(_COUNT.pack, counts)))
+            self.stream.write(bytes([_DOORBELL]) + _COUNTS.pack(*counts))
         except StreamClosedError:
             pass
 
@@ -771,6 +769,37 @@ class MPI(TCP):
         if stream is not None and not stream.closed():
             self._finalizer.detach()
             stream.close()
+
+
+async def _watch_peer(ref: weakref.ref[MPI], stream) -> None:
+    """Follow a comm's TCP connection: a doorbell wakes the progress engine,
+    a switch moves the comm to TCP, the end means the peer closed the comm
+    or is gone.  Holds the comm only between bytes, so that a comm dropped
+    without close() is collected (and its finalizer closes the connection)"""
+    graceful = False
+    try:
+        while True:
+            kind = (await stream.read_bytes(1))[0]
+            if kind == _CLOSING:
+                graceful = True
+            elif kind == _DOORBELL:
+                counts = _COUNTS.unpack(await stream.read_bytes(_COUNTS.size))
+                if comm := ref():
+                    comm._heard_doorbell(*counts)
+                del comm
+            elif kind == _SWITCH:
+                (read,) = _COUNT.unpack(await stream.read_bytes(_COUNT.size))
+                if comm := ref():
+                    comm._heard_switch(read)
+                return  # what follows is TCP messages, for read()
+            else:
+                raise ValueError(f"unexpected byte {kind} after the handshake")
+    except StreamClosedError:
+        pass
+    except ValueError as e:
+        logger.warning("%s: %s", ref(), e)
+    if comm := ref():
+        comm._peer_closed(graceful)
 
 
 class MPIConnector(TCPConnector):

@@ -83,7 +83,9 @@ def _initialize():
         # other ranks, and a process manager thread (mpi_pmi) can answer.
         provided = ctypes.c_int()
         init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
-        if init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided)):
+        failed = init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
+        mpi_pmi.initialized()
+        if failed:
             raise RuntimeError("MPI_Init_thread failed")
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -111,6 +113,7 @@ def _finalize(MPI) -> None:
             nbytes = status.Get_count(MPI.BYTE)
             if nbytes <= 65536:  # larger ones may wait for a sender that is gone
                 message.Recv(bytearray(nbytes))
+    mpi_pmi.finalizing()
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     mpi_pmi.finalized()
 

@@ -8,6 +8,10 @@ process serves the PMI-1 wire protocol to itself from a thread, as the
 process manager of a job of one with a name of its own; MPICH then connects
 it to other processes as it would a job started with ``mpiexec -n 1``.
 
+MPICH asks its process manager only in MPI_Init and MPI_Finalize, so the
+thread serves only while those run: a thread that lived as long as the
+process would count as leaked in the first test to use ``mpi://``.
+
 A process inherits its parent's process manager variables, which name a
 connection that is not its own, when a rank of an ``mpiexec`` job starts it
 (a nanny starting its worker); those are dropped.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 import uuid
@@ -28,6 +33,10 @@ logger = logging.getLogger(__name__)
 _USER = "DASK_MPI_PMI_USER"
 
 _server: socket.socket | None = None  # this process's end, when it serves
+_serving: threading.Thread | None = None
+_stop = threading.Event()
+_job = ""
+_kvs: dict[str, str] = {"PMI_process_mapping": "(vector,(0,1,1))"}
 
 
 def prepare_environment(MPI) -> None:
@@ -56,49 +65,75 @@ def _has_process_manager() -> bool:
     return "PMI_PORT" in env or "PMIX_NAMESPACE" in env
 
 
+def initialized() -> None:
+    """Call once MPI_Init returned: stop serving until MPI_Finalize"""
+    global _serving
+    if _serving is not None:
+        _stop.set()
+        _serving.join()
+        _serving = None
+
+
+def finalizing() -> None:
+    """Call before MPI_Finalize, which waits in a barrier: serve again"""
+    global _serving
+    if _server is not None and _serving is None:
+        _stop.clear()
+        _serving = threading.Thread(
+            target=_serve, name="MPI-process-manager", daemon=True
+        )
+        _serving.start()
+
+
 def finalized() -> None:
     """Call after MPI_Finalize.  MPICH sends its last request, finalize,
-    from a C exit handler, once Python has stopped the serving thread:
-    answer it in advance."""
+    from a C exit handler, once Python has stopped every thread: answer it
+    in advance."""
+    initialized()
     if _server is not None:
         with contextlib.suppress(OSError):
             _server.sendall(b"cmd=finalize_ack rc=0\n")
+        _server.detach()  # left open for that request: never closed by Python
 
 
 def _serve_self() -> None:
-    global _server
+    global _server, _job
     ours, theirs = socket.socketpair()
     _server = ours
-    job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
-    threading.Thread(
-        target=_serve, args=(ours, job), name="MPI-process-manager", daemon=True
-    ).start()
+    finalizing()  # MPI_Init asks the same way
 
 
-def _serve(sock: socket.socket, job: str) -> None:
-    """Answer the PMI-1 requests of MPI_Init, MPI_Finalize and the like"""
-    kvs: dict[str, str] = {"PMI_process_mapping": "(vector,(0,1,1))"}
+def _serve() -> None:
+    """Answer the PMI-1 requests of MPI_Init and MPI_Finalize until stopped"""
     replies = {
         "init": "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1",
         "get_maxes": "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024",
         "get_appnum": "cmd=appnum rc=0 appnum=0",
-        "get_my_kvsname": f"cmd=my_kvsname rc=0 kvsname={job}",
+        "get_my_kvsname": f"cmd=my_kvsname rc=0 kvsname={_job}",
         "get_universe_size": "cmd=universe_size rc=0 size=1",
         "barrier_in": "cmd=barrier_out rc=0",
         "finalize": "cmd=finalize_ack rc=0",
     }
-    with sock, sock.makefile("rwb", buffering=0) as f:
-        for line in f:
+    pending = b""
+    while not _stop.is_set():
+        if not select.select([_server], [], [], 0.05)[0]:
+            continue
+        data = _server.recv(4096)
+        if not data:
+            return
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
             request = dict(
                 field.split("=", 1) for field in line.decode().split() if "=" in field
             )
             cmd = request.get("cmd", "")
             if cmd == "put":
-                kvs[request["key"]] = request.get("value", "")
+                _kvs[request["key"]] = request.get("value", "")
                 reply = "cmd=put_result rc=0"
             elif cmd == "get":
-                value = kvs.get(request.get("key", ""))
+                value = _kvs.get(request.get("key", ""))
                 reply = (
                     f"cmd=get_result rc=0 value={value}"
                     if value is not None
@@ -109,6 +144,4 @@ def _serve(sock: socket.socket, job: str) -> None:
             else:  # spawn, publish_name, ...: a job of one cannot
                 logger.warning("MPI asked its process manager for %r", line)
                 reply = f"cmd={cmd} rc=-1 msg=unsupported"
-            f.write(reply.encode() + b"\n")
-            if cmd == "finalize":
-                return
+            _server.sendall(reply.encode() + b"\n")

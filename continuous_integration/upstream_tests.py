@@ -1,0 +1,217 @@
+"""Run upstream distributed's own test suite against this fork.
+
+Upstream keeps its tests in its repository, not in the sdist that the fork is built
+from. This command lays the fork's materialized package and an upstream checkout's
+tests, root ``conftest.py``, pytest configuration and ``pytest_resourceleaks.py``
+side by side in ``build/upstream-tests-SCHEME/`` (ignored by git), runs pytest there the way
+upstream's CI does (``DISABLE_IPV6=1``, timeouts by signal), and prints a summary in
+which every failure is matched against ``upstream_tests_expected.toml``.
+
+    python continuous_integration/upstream_tests.py --upstream PATH [--scheme mpi]
+        [-- PYTEST ARGS]
+
+PATH is a checkout of dask/distributed at the pinned release's tag, or any git
+repository with ``--ref``; without ``--upstream`` the tag is cloned from GitHub into
+``~/.cache/mpi4dask``. ``--scheme mpi`` sets ``DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME``,
+so that every address without a scheme (nearly every ``gen_cluster`` test) is
+``mpi://``. PYTEST ARGS (default: ``distributed``) select tests as usual. Exits 1 if
+a test failed that the expected list does not name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import upstream  # noqa: E402
+
+ROOT = upstream.ROOT
+PACKAGE = upstream.PACKAGE
+EXPECTED = Path(__file__).resolve().parent / "upstream_tests_expected.toml"
+REPOSITORY = "https://github.com/dask/distributed"
+
+
+def checkout(path: Path | None, ref: str | None, version: str, dest: Path) -> None:
+    """Write the upstream tree (``ref`` of the repository at ``path``, or the work
+    tree at ``path``, or the release tag cloned from GitHub) into ``dest``."""
+    if path is None:
+        path = Path.home() / ".cache" / "mpi4dask" / f"{PACKAGE}-{version}-git"
+        if not path.exists():
+            subprocess.run(
+                ["git", "clone", "--depth=1", f"--branch={version}", REPOSITORY, path],
+                check=True,
+            )
+    if ref is None:
+        shutil.copytree(path, dest, ignore=shutil.ignore_patterns(".git"))
+        return
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", path, "archive", ref], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+
+
+def is_test_path(path: Path) -> bool:
+    return "tests" in path.parts
+
+
+def prepare(args: argparse.Namespace, run_dir: Path) -> None:
+    """Upstream's checkout with its package replaced by the fork's, tests kept."""
+    config = upstream.read_config(ROOT)
+    upstream.materialize(ROOT)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    checkout(args.upstream, args.ref, config.upstream_version, run_dir)
+    package = run_dir / PACKAGE
+    # pytest_resourceleaks.py is in upstream's wheel but not in its sdist.
+    keep = {package / "pytest_resourceleaks.py"}
+    for path in package.rglob("*"):
+        if (
+            path.is_file()
+            and path not in keep
+            and not is_test_path(path.relative_to(package))
+        ):
+            path.unlink()
+    ignored = {".gitignore", upstream.STAMP, "__pycache__"}
+    for path in (ROOT / PACKAGE).rglob("*"):
+        rel = path.relative_to(ROOT)
+        if not path.is_file() or is_test_path(rel) or ignored & set(rel.parts):
+            continue
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, run_dir / rel)
+
+
+def expected_failures() -> dict[str, dict[str, str]]:
+    """{section: {test id or prefix: reason}} from upstream_tests_expected.toml."""
+    with open(EXPECTED, "rb") as f:
+        return tomllib.load(f)
+
+
+def node_id(case: ET.Element) -> str:
+    """pytest's node id of a junit (xunit1) test case."""
+    file, name = case.get("file", ""), case.get("name", "")
+    module = file.removesuffix(".py").replace("/", ".")
+    classname = case.get("classname", "")
+    cls = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
+    return "::".join([file, *(cls.split(".") if cls else []), name])
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """{node id: passed | failed | error | skipped | xfailed} from a junit file."""
+    result = {}
+    for case in ET.parse(junit).iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "error"
+                break
+            if child.tag == "skipped":
+                xfail = child.get("type") == "pytest.xfail"
+                outcome = "xfailed" if xfail else "skipped"
+        # A test that failed and then errored in teardown has two entries.
+        if result.get(node_id(case), "passed") == "passed":
+            result[node_id(case)] = outcome
+    return result
+
+
+def reason(test: str, known: dict[str, str]) -> str | None:
+    for prefix, why in known.items():
+        if (
+            test == prefix
+            or test.startswith(prefix + "::")
+            or test.startswith(prefix + "[")
+        ):
+            return why
+    return None
+
+
+def summarize(results: dict[str, str], scheme: str, seconds: float) -> bool:
+    """Print counts and every failure with its expected reason; True if all
+    failures are expected."""
+    counts: dict[str, int] = {}
+    for outcome in results.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    print(f"\nupstream's suite on {scheme}://, {seconds / 60:.0f} min: ", end="")
+    print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    known = expected_failures()
+    sections = ["stock"] + (["mpi"] if scheme == "mpi" else [])
+    failed = sorted(t for t, o in results.items() if o in ("failed", "error"))
+    unexpected = []
+    for test in failed:
+        why = None
+        for section in sections:
+            if why := reason(test, known.get(section, {})):
+                print(f"  expected ({section}): {test}\n      {why}")
+                break
+        else:
+            unexpected.append(test)
+    for test in unexpected:
+        print(f"  UNEXPECTED: {test}")
+    print(
+        f"{len(failed)} failed: {len(failed) - len(unexpected)} expected, "
+        f"{len(unexpected)} unexpected"
+    )
+    return not unexpected
+
+
+def run(args: argparse.Namespace, run_dir: Path) -> bool:
+    junit = run_dir / "results.xml"
+    env = dict(os.environ, DISABLE_IPV6="1")
+    env.pop("DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME", None)
+    if args.scheme == "mpi":
+        env["DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME"] = "mpi"
+    deselect = [f"--deselect={t}" for t in expected_failures().get("deselect", {})]
+    cmd = [sys.executable, "-m", "pytest", "-c", "pyproject.toml"]
+    cmd += ["-o", "timeout_method=signal", "-o", "junit_family=xunit1"]
+    cmd += [f"--junitxml={junit}", "--color=no", *deselect]
+    cmd += args.pytest_args or [PACKAGE]
+    print("$", " ".join(cmd), flush=True)
+    start = time.monotonic()
+    # Its own session, so that processes the tests leave behind can be killed.
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, start_new_session=True)
+    try:
+        proc.wait()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if not junit.exists():
+        sys.exit(f"pytest wrote no results (exit code {proc.returncode})")
+    ok = summarize(outcomes(junit), args.scheme, time.monotonic() - start)
+    if proc.returncode not in (0, 1):  # 1: tests failed
+        print(f"pytest did not finish its run: exit code {proc.returncode}")
+        return False
+    return ok
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--upstream", type=Path, help="dask/distributed checkout (or git repository)"
+    )
+    parser.add_argument("--ref", help="with --upstream: the commit or tag to run")
+    parser.add_argument("--scheme", choices=["tcp", "mpi"], default="tcp")
+    parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
+    args = parser.parse_args(argv)
+    run_dir = ROOT / "build" / f"upstream-tests-{args.scheme}"
+    prepare(args, run_dir)
+    sys.exit(0 if run(args, run_dir) else 1)
+
+
+if __name__ == "__main__":
+    main()
