@@ -189,6 +189,18 @@ def _peer_gone(stream) -> bool:
         return True
 
 
+def _weakly(method):
+    """A callback that calls a comm's method, without keeping the comm alive:
+    a comm dropped without close() is collected, as a tcp:// comm is"""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        if (alive := ref()) is not None:
+            alive(*args)
+
+    return call
+
+
 def _chunks(frame: memoryview, size: int) -> list[memoryview]:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
@@ -402,7 +414,7 @@ class MPI(TCP):
             return
         # Reads go on until the CLOSE head, sent before the TCP connection
         # was closed; should it never come, give up after a while.
-        asyncio.get_running_loop().call_later(_connect_timeout(), self.abort)
+        asyncio.get_running_loop().call_later(_connect_timeout(), _weakly(self.abort))
 
     # Reading and writing
 
@@ -567,7 +579,7 @@ class MPI(TCP):
         sent = self._engine.transfer(requests, (head, frames))
         if not sent.done():
             self._writes.add(sent)
-            sent.add_done_callback(self._sent)
+            sent.add_done_callback(_weakly(self._sent))
         self._ring_until_sent(sent)
         return nbytes
 
@@ -604,7 +616,7 @@ class MPI(TCP):
         self._ring()
         if not sent.done():
             loop = asyncio.get_running_loop()
-            loop.call_later(self._ring_interval, self._ring_until_sent, sent)
+            loop.call_later(self._ring_interval, _weakly(self._ring_until_sent), sent)
 
     def _ring(self, news_only: bool = False) -> None:
         """Wake the peer's progress engine and tell it how many messages this
@@ -619,7 +631,7 @@ class MPI(TCP):
         if wait > 0:
             if self._ring_later is None:
                 loop = asyncio.get_running_loop()
-                self._ring_later = loop.call_later(wait, self._ring_again)
+                self._ring_later = loop.call_later(wait, _weakly(self._ring_again))
             return
         self._rung, self._told = monotonic(), counts
         try:
@@ -635,7 +647,9 @@ class MPI(TCP):
         """Ring within ``_ring_interval``, unless a doorbell goes out sooner"""
         if self._ring_later is None:
             loop = asyncio.get_running_loop()
-            self._ring_later = loop.call_later(self._ring_interval, self._ring_again)
+            self._ring_later = loop.call_later(
+                self._ring_interval, _weakly(self._ring_again)
+            )
 
     # Noticing that MPI stopped delivering
 
@@ -644,7 +658,7 @@ class MPI(TCP):
         if self._stall_check is None and not self._reads_over:
             loop = asyncio.get_running_loop()
             self._stall_check = loop.call_later(
-                self._stall_timeout / 4, self._check_stall
+                self._stall_timeout / 4, _weakly(self._check_stall)
             )
 
     def _check_stall(self) -> None:

@@ -5,12 +5,14 @@ Tests with peers in other processes are in test_mpi_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import struct
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 
@@ -416,3 +418,70 @@ async def test_config_bounds_used():
             await comm.write({"x": payload})
             np.testing.assert_array_equal((await comm.read())["x"], np.arange(10_000))
             await comm.close()
+
+
+@gen_test()
+async def test_worker_without_host_listens_where_it_reaches_the_scheduler():
+    """As a tcp:// worker does, not on the host's default-route address, which
+    peers on another network (InfiniBand) may not reach"""
+    async with Scheduler(
+        protocol="mpi", host="127.0.0.1", port=0, dashboard_address=":0"
+    ) as s:
+        async with Worker(s.address) as w:
+            assert w.address.startswith("mpi://127.0.0.1:")
+
+
+@gen_test()
+async def test_connect_to_a_tcp_listener_fails_at_once():
+    async with listen("tcp://127.0.0.1:0", echo) as listener:
+        port = get_address_host_port(listener.contact_address)[1]
+        start = time.monotonic()
+        with pytest.raises(FatalCommClosedError, match="not answer with an mpi://"):
+            await connect(f"mpi://127.0.0.1:{port}", timeout=10)
+        assert time.monotonic() - start < 5  # not retried until the timeout
+
+
+@gen_test()
+async def test_comm_dropped_without_close_is_collected():
+    """Like a tcp:// comm: collected, its connection closed, its peer told"""
+    server_comm = asyncio.get_running_loop().create_future()
+
+    async def handle(comm):
+        server_comm.set_result(comm)
+
+    async with listen("mpi://127.0.0.1:0", handle) as listener:
+        comm = await connect(listener.contact_address)
+        await comm.write("last words")
+        peer = await server_comm
+        assert await peer.read() == "last words"
+        dropped = weakref.ref(comm)
+        del comm
+        gc.collect()
+        assert dropped() is None
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(peer.read(), 5)
+
+
+def test_mpi_started_in_a_test_leaks_no_thread():
+    """MPI starts on first use, inside a user's test: upstream's leak check
+    must not find a thread it left running (here a fresh process, started
+    without mpiexec, where MPICH needs a process manager thread in MPI_Init)"""
+    code = """if True:
+        import asyncio
+        from distributed.comm import connect, listen
+        from distributed.utils_test import check_thread_leak
+
+        async def main():
+            async with listen("mpi://127.0.0.1:0", lambda comm: comm.close()) as l:
+                comm = await connect(l.contact_address)
+                await comm.close()
+
+        with check_thread_leak():
+            asyncio.run(main())
+        print("no thread leaked")
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no thread leaked" in out.stdout
