@@ -47,6 +47,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 import uuid
 import weakref
 
@@ -102,20 +103,26 @@ def _initialize():
 def _finalize(MPI) -> None:
     if MPI.Is_finalized():
         return
-    # Receive what peers sent to comms closed here (their CLOSE heads), which
-    # some MPI libraries would warn about at exit
-    status = MPI.Status()
-    for channel in list(_channels.values()):
-        for _ in range(10_000):
-            message = channel.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            if message is None:
-                break
-            nbytes = status.Get_count(MPI.BYTE)
-            if nbytes <= 65536:  # larger ones may wait for a sender that is gone
-                message.Recv(bytearray(nbytes))
+    _drain(MPI)
     mpi_pmi.finalizing()
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     mpi_pmi.finalized()
+
+
+def _drain(MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
+    """Receive what peers sent to comms closed here (their CLOSE heads), which
+    UCX would print a warning about at exit, until nothing came for ``quiet``
+    seconds: a probe on one channel may bring in the message of another."""
+    status = MPI.Status()
+    start = last = time.monotonic()
+    while time.monotonic() - last < quiet and time.monotonic() - start < limit:
+        for channel in list(_channels.values()):
+            while message := channel.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                nbytes = status.Get_count(MPI.BYTE)
+                if nbytes > 65536:  # may wait for a sender that is gone
+                    break
+                message.Recv(bytearray(nbytes))
+                last = time.monotonic()
 
 
 def start_mpi() -> concurrent.futures.Future:

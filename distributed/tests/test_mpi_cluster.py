@@ -5,6 +5,7 @@ and the workers started by separate ``mpiexec`` commands, or as ranks of one
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -21,9 +22,10 @@ pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Scheduler
 from distributed.comm import get_address_host
 from distributed.utils import open_port
+from distributed.utils_test import gen_test
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -312,3 +314,31 @@ def test_workers_join_and_leave(tmp_path):
                 assert later.wait(60) is not None
             wait_for_worker_count(client, 1, "departed workers not forgotten")
             assert client.submit(sum, [3, 4]).result() == 7
+
+
+@pytest.mark.parametrize("worker_class", ["Nanny", "Worker"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@gen_test(timeout=60)
+async def test_signalled_worker_exits_quietly(worker_class, sig):
+    """Nothing on stdout, where UCX prints: peers' last messages to a worker
+    that closes its comms arrive while it exits, and MPI_Finalize used to
+    warn about each one it had not received"""
+    spec = {"cls": f"distributed.{worker_class}", "opts": {"nthreads": 1}}
+    async with Scheduler(protocol="mpi", dashboard_address=":0") as s:
+        spec["opts"]["scheduler_ip"] = s.address
+        async with Client(s.address, asynchronous=True) as c:
+            worker = await asyncio.create_subprocess_exec(
+                *[sys.executable, "-m", "dask", "spec", "--spec", json.dumps(spec)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            try:
+                await c.wait_for_workers(1)
+                worker.send_signal(sig)
+                stdout, stderr = await asyncio.wait_for(worker.communicate(), 30)
+            finally:
+                if worker.returncode is None:
+                    worker.kill()
+                await worker.wait()
+    assert worker.returncode == 0, stderr.decode()
+    assert stdout == b""
