@@ -324,7 +324,7 @@ async def test_signalled_worker_exits_quietly(worker_class, sig):
     that closes its comms arrive while it exits, and MPI_Finalize used to
     warn about each one it had not received"""
     spec = {"cls": f"distributed.{worker_class}", "opts": {"nthreads": 1}}
-    async with Scheduler(protocol="mpi", dashboard_address=":0") as s:
+    async with Scheduler(protocol="mpi", port=0, dashboard_address=":0") as s:
         spec["opts"]["scheduler_ip"] = s.address
         async with Client(s.address, asynchronous=True) as c:
             worker = await asyncio.create_subprocess_exec(

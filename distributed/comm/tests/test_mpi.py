@@ -388,7 +388,7 @@ async def test_scheduler_on_mpi_and_tcp():
 @gen_test()
 async def test_cluster_in_one_process_moves_data_between_workers():
     da = pytest.importorskip("dask.array")
-    async with Scheduler(protocol="mpi", dashboard_address=":0") as s:
+    async with Scheduler(protocol="mpi", port=0, dashboard_address=":0") as s:
         async with Worker(s.address, nthreads=1) as a, Worker(
             s.address, nthreads=1
         ) as b:
