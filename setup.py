@@ -46,6 +46,13 @@ setup(
         "mpi": ["mpi4py>=4.0", "mpich"],
         "test": ["pytest", "pytest-timeout", "numpy", "dask-mpi"],
         "benchmarks": ["numpy", "dask[dataframe]", "matplotlib"],
+        # upstream's own test suite (continuous_integration/upstream_tests.py)
+        "upstream-tests": [
+            *"pytest pytest-timeout pytest-rerunfailures pytest-repeat".split(),
+            *"numpy pandas pyarrow scipy sparse h5py lz4 zstandard".split(),
+            *"python-snappy bokeh requests prometheus_client setproctitle".split(),
+            *"ipywidgets jupyter_events cryptography".split(),
+        ],
     },
     entry_points={
         group: [f"{name} = {target}" for name, target in points.items()]

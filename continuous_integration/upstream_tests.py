@@ -42,6 +42,7 @@ ROOT = upstream.ROOT
 PACKAGE = upstream.PACKAGE
 EXPECTED = Path(__file__).resolve().parent / "upstream_tests_expected.toml"
 REPOSITORY = "https://github.com/dask/distributed"
+LEFTOVERS = "upstream_tests_leftovers"  # a pytest plugin
 
 
 def checkout(path: Path | None, ref: str | None, version: str, dest: Path) -> None:
@@ -91,6 +92,7 @@ def prepare(args: argparse.Namespace, run_dir: Path) -> None:
             continue
         (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, run_dir / rel)
+    shutil.copy2(Path(__file__).with_name(f"{LEFTOVERS}.py"), run_dir)
 
 
 def expected_failures() -> dict[str, dict[str, str]]:
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> bool:
     if args.scheme == "mpi":
         env["DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME"] = "mpi"
     deselect = [f"--deselect={t}" for t in expected_failures().get("deselect", {})]
-    cmd = [sys.executable, "-m", "pytest", "-c", "pyproject.toml"]
+    cmd = [sys.executable, "-m", "pytest", "-c", "pyproject.toml", "-p", LEFTOVERS]
     cmd += ["-o", "timeout_method=signal", "-o", "junit_family=xunit1"]
     cmd += [f"--junitxml={junit}", "--color=no", *deselect]
     cmd += args.pytest_args or [PACKAGE]
