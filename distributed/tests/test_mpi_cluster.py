@@ -210,7 +210,7 @@ def test_local_cluster(start):
 def known_mpi_crash(output: str) -> str | None:
     """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
     those it has when a peer dies just after mpi://'s last check that it
-    lives, as MPI starts to touch its memory (see docs/mpi.rst)"""
+    lives, as MPI starts to touch its memory (see docs/mpi-design.rst)"""
     if "process_vm_readv" in output:
         return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
     connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
@@ -249,7 +249,7 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         crashes = {known_mpi_crash(log.read_text()) for log in logs}
         crashes.discard(None)
         if crashes:
-            pytest.xfail("Known MPICH/UCX limit (docs/mpi.rst): " + "; ".join(crashes))
+            pytest.xfail("Known MPICH/UCX limit (docs/mpi-design.rst): " + "; ".join(crashes))
     assert survivors == 2
 
 
