@@ -16,8 +16,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    out = args[args.index("--out") + 1] if "--out" in args else os.path.join(HERE, "results")
+    out = (
+        args[args.index("--out") + 1]
+        if "--out" in args
+        else os.path.join(HERE, "results")
+    )
     for name in ["pingpong", "connect", "idle", "apps"]:
         print(f"== {name}", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, f"{name}.py"), *args], check=True)
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, f"{name}.py"), *args], check=True
+        )
     report.main(out)

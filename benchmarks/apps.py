@@ -22,6 +22,7 @@ from processes import cluster
 
 from distributed import Client
 
+
 def transpose_sum(n: int, chunk: int):
     import dask.array as da
 
@@ -59,17 +60,27 @@ def merge(rows: int, partitions: int):
 
 def benchmarks(quick: bool) -> dict:
     if quick:
-        return {"transpose_sum": (transpose_sum, 4000, 500), "dot": (dot, 2000, 500),
-                "merge": (merge, 1_000_000, 8)}
-    return {"transpose_sum": (transpose_sum, 10000, 1000), "dot": (dot, 4000, 1000),
-            "merge": (merge, 5_000_000, 16)}
+        return {
+            "transpose_sum": (transpose_sum, 4000, 500),
+            "dot": (dot, 2000, 500),
+            "merge": (merge, 1_000_000, 8),
+        }
+    return {
+        "transpose_sum": (transpose_sum, 10000, 1000),
+        "dot": (dot, 4000, 1000),
+        "merge": (merge, 5_000_000, 16),
+    }
 
 
 def transferred(client: Client) -> tuple[int, int]:
     """Bytes and transfers that workers have sent to other workers so far
     (counters, unlike the incoming log, which keeps its last 1000 entries)"""
+
     def total(dask_worker):
-        return dask_worker.transfer_outgoing_bytes_total, dask_worker.transfer_outgoing_count_total
+        return (
+            dask_worker.transfer_outgoing_bytes_total,
+            dask_worker.transfer_outgoing_count_total,
+        )
 
     totals = client.run(total).values()
     return sum(t[0] for t in totals), sum(t[1] for t in totals)
@@ -77,6 +88,7 @@ def transferred(client: Client) -> tuple[int, int]:
 
 def cpu_seconds(client: Client) -> float:
     """CPU time used so far by the scheduler and the workers"""
+
     def used():
         import psutil
 
@@ -106,10 +118,14 @@ def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
                     client.cancel(graph)
                 wall = statistics.median(times)
                 nbytes = statistics.median(moved)
-                results[name] = {"wall_time": wall, "times": times,
-                                 "cpu_seconds": statistics.median(cpu),
-                                 "transfers": statistics.median(count),
-                                 "bytes_moved": nbytes, "throughput": nbytes / wall}
+                results[name] = {
+                    "wall_time": wall,
+                    "times": times,
+                    "cpu_seconds": statistics.median(cpu),
+                    "transfers": statistics.median(count),
+                    "bytes_moved": nbytes,
+                    "throughput": nbytes / wall,
+                }
     return results
 
 
@@ -128,7 +144,9 @@ def plot(results: dict, out: str) -> None:
     for i, p in enumerate(protocols):
         walls = [results["protocols"][p][n]["wall_time"] for n in names]
         ax.bar([j + i * width for j in range(len(names))], walls, width, label=p)
-    ax.set_xticks([j + width * (len(protocols) - 1) / 2 for j in range(len(names))], names)
+    ax.set_xticks(
+        [j + width * (len(protocols) - 1) / 2 for j in range(len(names))], names
+    )
     ax.set_ylabel("wall time (s, median)")
     ax.set_title(f"{results['workers']} workers")
     ax.legend()
@@ -141,7 +159,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=None)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results")
+    )
     args = parser.parse_args()
     repeat = args.repeat or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
@@ -156,10 +176,12 @@ def main() -> None:
     plot(results, args.out)
     tcp, mpi = results["protocols"]["tcp://"], results["protocols"]["mpi://"]
     for name in tcp:
-        print(f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
-              f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"
-              f"  CPU s tcp {tcp[name]['cpu_seconds']:.2f} mpi {mpi[name]['cpu_seconds']:.2f}"
-              f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB in {mpi[name]['transfers']:.0f} transfers")
+        print(
+            f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
+            f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"
+            f"  CPU s tcp {tcp[name]['cpu_seconds']:.2f} mpi {mpi[name]['cpu_seconds']:.2f}"
+            f"  moved {mpi[name]['bytes_moved'] / 2**20:.0f} MiB in {mpi[name]['transfers']:.0f} transfers"
+        )
 
 
 if __name__ == "__main__":

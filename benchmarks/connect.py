@@ -56,7 +56,7 @@ async def client(address: str, mode: str) -> dict:
         return {"done": done}
     init = 0.0
     if address.startswith("mpi://"):  # time MPI_Init apart from the connection
-        from distributed.comm.mpi_channel import mpi_ready, start_mpi
+        from distributed.comm.mpi_startup import mpi_ready, start_mpi
 
         start = time.perf_counter()
         start_mpi()
@@ -74,7 +74,12 @@ async def client(address: str, mode: str) -> dict:
     comms += await asyncio.gather(*(connect(address) for _ in range(200)))
     many = time.perf_counter() - start
     await asyncio.gather(*(c.close() for c in comms))
-    return {"init": init, "first": first, "next": statistics.median(times), "many_comms": many}
+    return {
+        "init": init,
+        "first": first,
+        "next": statistics.median(times),
+        "many_comms": many,
+    }
 
 
 def last_json(stdout: str) -> dict:
@@ -120,8 +125,10 @@ def main() -> None:
     with open(os.path.join(args.out, "connect.json"), "w") as f:
         json.dump(results, f, indent=1)
     for p, r in results.items():
-        print(f"{p}://: init {r['init'] * 1e3:.1f} ms, first {r['first'] * 1e3:.1f} ms, next {r['next'] * 1e3:.2f} ms, "
-              f"200 comms {r['many_comms']:.2f} s, {processes} processes {r['many_processes']:.2f} s")
+        print(
+            f"{p}://: init {r['init'] * 1e3:.1f} ms, first {r['first'] * 1e3:.1f} ms, next {r['next'] * 1e3:.2f} ms, "
+            f"200 comms {r['many_comms']:.2f} s, {processes} processes {r['many_processes']:.2f} s"
+        )
 
 
 if __name__ == "__main__":

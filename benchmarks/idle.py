@@ -23,6 +23,7 @@ from processes import cluster
 
 from distributed import Client
 
+
 def python_processes(job: subprocess.Popen) -> list[psutil.Process]:
     root = psutil.Process(job.pid)
     procs = [root, *root.children(recursive=True)]
@@ -43,15 +44,21 @@ def measure(protocol: str, seconds: float) -> dict:
             before = cpu_seconds(procs)
             time.sleep(seconds)
             used = cpu_seconds(procs) - before
-    return {"cpu_seconds": used, "seconds": seconds, "processes": len(procs),
-            "cpu_percent_per_process": 100 * used / seconds / len(procs)}
+    return {
+        "cpu_seconds": used,
+        "seconds": seconds,
+        "processes": len(procs),
+        "cpu_percent_per_process": 100 * used / seconds / len(procs),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seconds", type=float, default=None)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results")
+    )
     args = parser.parse_args()
     seconds = args.seconds or (5 if args.quick else 30)
     os.makedirs(args.out, exist_ok=True)
@@ -59,8 +66,10 @@ def main() -> None:
     with open(os.path.join(args.out, "idle.json"), "w") as f:
         json.dump(results, f, indent=1)
     for protocol, r in results.items():
-        print(f"{protocol}://: {r['cpu_seconds']:.3f} CPU s in {seconds:g} s "
-              f"({r['cpu_percent_per_process']:.2f} % of a core per process)")
+        print(
+            f"{protocol}://: {r['cpu_seconds']:.3f} CPU s in {seconds:g} s "
+            f"({r['cpu_percent_per_process']:.2f} % of a core per process)"
+        )
 
 
 if __name__ == "__main__":

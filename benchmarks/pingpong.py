@@ -132,7 +132,9 @@ def run_one_job(quick: bool) -> dict:
         client_args = ["client", "@" + path] + (["--quick"] if quick else [])
         cmd = [MPIEXEC, "-n", "1", sys.executable, HERE, "serve", "mpi", path]
         cmd += [":", "-n", "1", sys.executable, HERE, *client_args]
-        job = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, text=True)
+        job = subprocess.Popen(
+            cmd, start_new_session=True, stdout=subprocess.PIPE, text=True
+        )
         try:
             for line in job.stdout:  # the client's result; the server serves on
                 if line.startswith("{"):
@@ -154,8 +156,13 @@ def versions() -> dict:
     info["distributed"] = distributed.__version__
     info["mpi4py"] = mpi4py.__version__
     out = subprocess.run(
-        [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])",
+        ],
+        capture_output=True,
+        text=True,
     )
     info["mpi_library"] = out.stdout.strip()
     return info
@@ -205,9 +212,13 @@ def main() -> None:
         results["transports"][f"{protocol}://"] = run_protocol(protocol, args.quick)
     print("mpi:// in one job", file=sys.stderr)
     results["transports"]["mpi:// one job"] = run_one_job(args.quick)
-    cmd = [MPIEXEC, "-n", "2", sys.executable, HERE, "raw"] + (["--quick"] if args.quick else [])
+    cmd = [MPIEXEC, "-n", "2", sys.executable, HERE, "raw"] + (
+        ["--quick"] if args.quick else []
+    )
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
-    results["transports"]["raw mpi4py"] = json.loads(out.stdout.strip().splitlines()[-1])
+    results["transports"]["raw mpi4py"] = json.loads(
+        out.stdout.strip().splitlines()[-1]
+    )
 
     with open(os.path.join(args.out, "pingpong.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -233,7 +244,9 @@ if __name__ == "__main__":
         address = sys.argv[2]
         if address.startswith("@"):  # the server's rank writes it there
             address = wait_for_file(address[1:], None)
-        print(json.dumps(asyncio.run(client(address, "--quick" in sys.argv))), flush=True)
+        print(
+            json.dumps(asyncio.run(client(address, "--quick" in sys.argv))), flush=True
+        )
     elif sys.argv[1:2] == ["raw"]:
         raw("--quick" in sys.argv)
     else:

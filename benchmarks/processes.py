@@ -32,7 +32,9 @@ def wait_for_file(path: str, proc: subprocess.Popen | None, timeout: float = 60)
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline or (proc and proc.poll() is not None):
-            raise RuntimeError(f"{proc.args if proc else 'nobody'} did not write {path}")
+            raise RuntimeError(
+                f"{proc.args if proc else 'nobody'} did not write {path}"
+            )
         time.sleep(0.05)
     with open(path) as f:
         return f.read()
@@ -46,10 +48,28 @@ def cluster(protocol: str, workers: int, *worker_args: str):
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     with tempfile.TemporaryDirectory() as tmp:
         sched_file = os.path.join(tmp, "scheduler.json")
-        scheduler = ["-m", "distributed.cli.dask_scheduler", "--protocol", protocol,
-                     "--port", "0", "--scheduler-file", sched_file, "--no-dashboard"]
-        worker = ["-m", "distributed.cli.dask_worker", "--scheduler-file", sched_file,
-                  "--no-nanny", "--nthreads", "1", "--no-dashboard", *worker_args]
+        scheduler = [
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--protocol",
+            protocol,
+            "--port",
+            "0",
+            "--scheduler-file",
+            sched_file,
+            "--no-dashboard",
+        ]
+        worker = [
+            "-m",
+            "distributed.cli.dask_worker",
+            "--scheduler-file",
+            sched_file,
+            "--no-nanny",
+            "--nthreads",
+            "1",
+            "--no-dashboard",
+            *worker_args,
+        ]
         jobs = [launch(scheduler, mpi, **quiet)]
         try:
             jobs += [launch(worker, mpi, **quiet) for _ in range(workers)]

@@ -48,12 +48,13 @@ import dask
 from dask.utils import format_time, parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
-from distributed.comm import mpi_channel
+from distributed.comm import mpi_channel, mpi_startup
 from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError, FatalCommClosedError
-from distributed.comm.mpi_channel import ACCEPTOR, config, get_mpi
+from distributed.comm.mpi_channel import ACCEPTOR
 from distributed.comm.mpi_liveness import LocalPeer, beacon
 from distributed.comm.mpi_progress import ProgressEngine
+from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.tcp import (
     TCP,
     BaseTCPBackend,
@@ -134,9 +135,9 @@ async def _recv_handshake(stream) -> dict:
 def _hello() -> dict:
     return {
         "protocol": _PROTOCOL,
-        "process": mpi_channel.process_id(),
-        "library": mpi_channel.library(),
-        "world": mpi_channel.world(),
+        "process": mpi_startup.process_id(),
+        "library": mpi_startup.library(),
+        "world": mpi_startup.world(),
         "beacon": beacon(),
     }
 
@@ -148,17 +149,17 @@ def _incompatibility(peer: dict) -> str | None:
             f"peer speaks mpi:// protocol {peer.get('protocol')!r}, this process "
             f"{_PROTOCOL}: use the same version of distributed everywhere"
         )
-    if peer.get("library") != mpi_channel.library():
+    if peer.get("library") != mpi_startup.library():
         return (
             f"peer uses MPI library {peer.get('library')!r}, this process "
-            f"{mpi_channel.library()!r}: all processes of a cluster on mpi:// "
+            f"{mpi_startup.library()!r}: all processes of a cluster on mpi:// "
             "must use the same MPI library"
         )
     if not isinstance(peer.get("process"), str):
         return "peer did not say which process it is"
     if (
-        mpi_channel.library().startswith("Open MPI")
-        and peer["process"] != mpi_channel.process_id()
+        mpi_startup.library().startswith("Open MPI")
+        and peer["process"] != mpi_startup.process_id()
         and not _same_world(peer)
     ):
         # It would hang in MPI_Comm_connect rather than fail
@@ -173,7 +174,7 @@ def _incompatibility(peer: dict) -> str | None:
 
 def _same_world(peer: dict) -> bool:
     """Whether the peer is another rank of this process's mpiexec job"""
-    mine, theirs = mpi_channel.world(), peer.get("world")
+    mine, theirs = mpi_startup.world(), peer.get("world")
     return mine is not None and theirs is not None and theirs[0] == mine[0]
 
 
@@ -249,7 +250,7 @@ class MPI(TCP):
 
     async def _accept(self) -> None:
         """The listening end of the handshake"""
-        await mpi_channel.mpi_ready()
+        await mpi_startup.mpi_ready()
         stream = self.stream
         peer = await _recv_handshake(stream)
         problem = _incompatibility(peer)
@@ -261,7 +262,7 @@ class MPI(TCP):
             )
             raise _Refused(problem)
         # MPI failed between these two processes before: do not wait for it again
-        gave_up = peer.get("gave_up_on") == mpi_channel.process_id()
+        gave_up = peer.get("gave_up_on") == mpi_startup.process_id()
         if gave_up or not mpi_channel.reachable(peer["process"]):
             await _send_handshake(stream, {**_hello(), "mpi": False})
             self._over_tcp = True
@@ -279,7 +280,7 @@ class MPI(TCP):
 
     async def _connect(self) -> None:
         """The connecting end of the handshake"""
-        await mpi_channel.mpi_ready()
+        await mpi_startup.mpi_ready()
         stream = self.stream
         last = mpi_channel.peer_at(self._peer_addr)  # may since have restarted
         known = last and mpi_channel.find_channel(None, last)
@@ -821,7 +822,7 @@ class MPIConnector(TCPConnector):
     comm_class = MPI
 
     async def connect(self, address, deserialize=True, **connection_args):
-        mpi_channel.start_mpi()  # MPI starts with the first mpi:// connection
+        mpi_startup.start_mpi()  # MPI starts with the first mpi:// connection
         comm = await super().connect(address, deserialize, **connection_args)
         try:
             await comm._connect()
@@ -839,7 +840,7 @@ class MPIListener(TCPListener):
     comm_class = MPI
 
     async def start(self):
-        mpi_channel.start_mpi()  # ... or listener, without waiting for it
+        mpi_startup.start_mpi()  # ... or listener, without waiting for it
         await super().start()
 
     async def on_connection(self, comm, handshake_overrides=None):

@@ -18,7 +18,7 @@ import errno
 import socket
 import sys
 
-from distributed.comm.mpi_channel import process_id
+from distributed.comm.mpi_startup import process_id
 
 
 class _IOVec(ctypes.Structure):

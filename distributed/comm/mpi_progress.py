@@ -32,7 +32,7 @@ import dask
 from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_channel import config, get_mpi
+from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_liveness import LocalPeer
 
 

@@ -9,6 +9,6 @@ def mpi():
     process manager thread (``mpi_pmi``) lives as long as the process, and
     gen_test would call it a leak of the first test to use mpi://"""
     pytest.importorskip("mpi4py")
-    from distributed.comm.mpi_channel import start_mpi
+    from distributed.comm.mpi_startup import start_mpi
 
     return start_mpi().result()

@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from distributed.comm import CommClosedError, connect, listen, mpi_channel
+from distributed.comm import CommClosedError, connect, listen, mpi_channel, mpi_startup
 from distributed.protocol import to_serialize
 
 
@@ -58,13 +58,13 @@ async def ping(address):
 
 
 async def port(path):
-    await mpi_channel.mpi_ready()
+    await mpi_startup.mpi_ready()
     write(path, mpi_channel.open_port())
     await asyncio.Event().wait()  # until killed
 
 
 async def ping_after_timeout(path, address):
-    MPI = await mpi_channel.mpi_ready()
+    MPI = await mpi_startup.mpi_ready()
     with open(path) as f:
         port = f.read()
     try:

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 
-from distributed.comm import CommClosedError, connect, mpi_channel
+from distributed.comm import CommClosedError, connect, mpi_startup
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
 from distributed.utils_test import gen_test
@@ -133,7 +133,7 @@ async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch
             assert await c.read() == "over MPI"
         pending = asyncio.ensure_future(other.read())
         # A real MPI message, on a tag the server never receives on
-        MPI = mpi_channel.get_mpi()
+        MPI = mpi_startup.get_mpi()
         comm._send_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         array = np.arange(1000)  # sent at once: MPI's part is done
         await comm.write({"op": "sum", "x": to_serialize(array)})
@@ -177,7 +177,7 @@ def test_ranks_behind_a_wrapper_script_know_they_are_one_job():
     """``mpiexec -n 2 ./run.sh``: ranks of one job that are not the
     launcher's children still open channels as one job (MPI_Comm_create_group);
     accept/connect between them moved large messages 100x slower"""
-    code = "from distributed.comm import mpi_channel as m; m.start_mpi().result(); print(m.world())"
+    code = "from distributed.comm import mpi_startup as m; m.start_mpi().result(); print(m.world())"
     out = run_mpiexec(["-n", "2", "sh", "-c", f'{sys.executable} -c "{code}"; true'])
     # mpiexec may interleave the two ranks' lines
     worlds = sorted(re.findall(r"\('([^']*)', (\d)\)", out))

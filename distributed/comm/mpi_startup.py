@@ -1,0 +1,194 @@
+"""Starting and finishing MPI, and what a process knows of itself.
+
+MPI starts on first use of an ``mpi://`` address (:func:`start_mpi`), never on
+``import distributed``: in a helper thread and through ctypes, so that this
+process goes on while ``MPI_Init`` waits (under ``mpiexec`` it returns only once
+every rank of the job has called it). It ends at exit, after the hooks given to
+:func:`before_finalize`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+
+import dask
+import psutil
+from dask.utils import parse_bytes
+
+from distributed.comm import mpi_pmi
+
+logger = logging.getLogger(__name__)
+
+_init: concurrent.futures.Future | None = None  # MPI_Init, once started
+_lock = threading.Lock()  # guards _init
+_process: tuple[int, str] | None = None  # pid and process_id(), redone after a fork
+_before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
+
+# Warn when MPI_Init waits this long for the other ranks of an mpiexec job
+INIT_WARNING_DELAY = 10
+
+
+def config(key: str):
+    """The ``distributed.comm.mpi`` setting ``key``"""
+    return dask.config.get(f"distributed.comm.mpi.{key}")
+
+
+def start_mpi() -> concurrent.futures.Future:
+    """Initialise MPI in a helper thread, once; a future for ``mpi4py.MPI``.
+
+    Under ``mpiexec``, MPI_Init returns only once every rank of the job has
+    called it.  Ranks use mpi:// at different times (workers wait for the
+    scheduler file that the scheduler writes once it listens), so nobody may
+    block on it: listeners listen while MPI starts.
+    """
+    global _init
+    with _lock:
+        if _init is None:
+            try:
+                import mpi4py
+            except ImportError as e:
+                raise ImportError(
+                    "The mpi:// transport needs mpi4py and an MPI library: "
+                    "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
+                ) from e
+            if "mpi4py.MPI" not in sys.modules:
+                mpi4py.rc.initialize = False  # _initialize does it
+            from mpi4py import MPI
+
+            # Now, not in the helper thread: a nanny may start its worker
+            # process next, and that inherits the environment
+            mpi_pmi.prepare_environment(MPI)
+            if not MPI.Is_initialized():
+                _configure_ucx()
+            _init = concurrent.futures.Future()
+            threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
+    return _init
+
+
+def _configure_ucx() -> None:
+    """UCX copies a message from a peer on this host in segments, one per
+    call into MPI; a chunk in one segment is copied within one call, after
+    we checked that its sender lives (see ``distributed.comm.mpi_liveness``)"""
+    os.environ.setdefault("UCX_CMA_SEG_SIZE", str(parse_bytes(config("chunk-size"))))
+
+
+def _run_init(fut: concurrent.futures.Future) -> None:
+    try:
+        fut.set_result(_initialize())
+    except BaseException as e:
+        fut.set_exception(e)
+
+
+def _initialize():
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        # mpi4py would hold the GIL in MPI_Init and MPI_Finalize; ctypes lets
+        # go of it, so this process goes on while MPI_Init waits for the
+        # other ranks, and a process manager thread (mpi_pmi) can answer.
+        provided = ctypes.c_int()
+        init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
+        failed = init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
+        mpi_pmi.initialized()
+        if failed:
+            raise RuntimeError("MPI_Init_thread failed")
+        for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        atexit.register(_finalize, MPI)
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
+            f"initialised with thread level {MPI.Query_thread()}. Do not "
+            "initialise MPI with a lower thread level before using mpi://."
+        )
+    return MPI
+
+
+def _finalize(MPI) -> None:
+    if MPI.Is_finalized():
+        return
+    for hook in _before_finalize:
+        hook(MPI)
+    mpi_pmi.finalizing()
+    ctypes.CDLL(MPI.__file__).MPI_Finalize()
+    mpi_pmi.finalized()
+
+
+def before_finalize(hook: Callable) -> None:
+    """Call ``hook(mpi4py.MPI)`` at exit, before MPI_Finalize"""
+    _before_finalize.append(hook)
+
+
+async def mpi_ready():
+    """``mpi4py.MPI``, once MPI is initialised"""
+    fut = asyncio.wrap_future(start_mpi())
+    done, _ = await asyncio.wait([fut], timeout=INIT_WARNING_DELAY)
+    if not done:
+        logger.warning(
+            "MPI_Init has been waiting for %ds: under mpiexec it returns once "
+            "every rank of the job called it, so every rank must use mpi:// "
+            "(or initialise MPI itself)",
+            INIT_WARNING_DELAY,
+        )
+    return await fut
+
+
+def get_mpi():
+    """``mpi4py.MPI``; MPI must have been started with :func:`start_mpi`"""
+    return start_mpi().result()
+
+
+def process_id() -> str:
+    """A name for this process, unique across hosts, jobs and forks"""
+    global _process
+    if _process is None or _process[0] != os.getpid():
+        pid = os.getpid()
+        _process = (pid, f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}")
+    return _process[1]
+
+
+@functools.cache
+def world() -> tuple[str, int] | None:
+    """The mpiexec job of this process and its rank there; None when it is
+    alone in its MPI_COMM_WORLD (a plain ``python``, or ``mpiexec -n 1``).
+    Every handshake asks, and finding Hydra's proxy walks the process tree:
+    it is worked out once."""
+    comm = get_mpi().COMM_WORLD
+    if comm.size == 1:
+        return None
+    env = os.environ
+    if "PMIX_NAMESPACE" in env:  # Open MPI, and launchers speaking PMIx
+        job = env["PMIX_NAMESPACE"]
+    elif "SLURM_STEP_ID" in env:
+        job = f"slurm/{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    else:  # ranks on one host share their job's proxy (Hydra)
+        job = f"{socket.gethostname()}/{_launcher_pid()}"
+    return f"{job}/{comm.size}", comm.rank
+
+
+def _launcher_pid() -> int:
+    """Hydra's proxy that started this process, perhaps through a wrapper
+    script (``mpiexec -n 4 ./run.sh``); else the parent process"""
+    for parent in psutil.Process().parents():
+        with contextlib.suppress(psutil.Error):
+            if parent.name().startswith("hydra_pmi_prox"):
+                return parent.pid
+    return os.getppid()
+
+
+def library() -> str:
+    """The MPI library and version; peers must agree on it"""
+    name, version = get_mpi().get_vendor()
+    return f"{name} {'.'.join(map(str, version))}"
