@@ -41,11 +41,13 @@ class Job(subprocess.Popen):
         self.wait(30)
 
     def ranks(self) -> list[psutil.Process]:
-        """The job's Python processes"""
+        """The job's Python processes (by executable: with setproctitle
+        installed, a dask worker's name is "dask worker ...")"""
+        python = os.path.realpath(sys.executable)
         ranks = []
         for process in self._descendants():
             with contextlib.suppress(psutil.Error):
-                if process.name().startswith("python"):
+                if process.exe() == python:
                     ranks.append(process)
         return ranks
 
@@ -79,12 +81,13 @@ def mpiexec(args: list[str], **kwargs):
     args = [
         a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])
     ]
-    proc = Job([mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.stop()
+    job = Job([mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs)
+    with job:  # and its pipes closed
+        try:
+            yield job
+        finally:
+            if job.poll() is None:
+                job.stop()
 
 
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:

@@ -38,7 +38,7 @@ from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.registry import backends
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
-from distributed.utils_test import captured_logger, gen_test, inc
+from distributed.utils_test import captured_logger, gen_test, inc, popen
 
 pytestmark = pytest.mark.usefixtures("mpi")
 
@@ -82,8 +82,7 @@ def test_local_peer_knows_when_its_process_died():
         "import time; from distributed.comm.mpi_liveness import beacon; "
         "print(beacon(), flush=True); time.sleep(60)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    try:
+    with popen([sys.executable, "-c", code], capture_output=True) as proc:
         hello = {"process": f"{socket.gethostname()}/{proc.pid}/x"}
         hello["beacon"] = int(proc.stdout.readline())
         peer = LocalPeer.find(hello)
@@ -94,9 +93,6 @@ def test_local_peer_knows_when_its_process_died():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert LocalPeer.find({**hello, "process": f"elsewhere/{proc.pid}/x"}) is None
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def test_address_helpers():
