@@ -249,7 +249,9 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         crashes = {known_mpi_crash(log.read_text()) for log in logs}
         crashes.discard(None)
         if crashes:
-            pytest.xfail("Known MPICH/UCX limit (docs/mpi-design.rst): " + "; ".join(crashes))
+            pytest.xfail(
+                "Known MPICH/UCX limit (docs/mpi-design.rst): " + "; ".join(crashes)
+            )
     assert survivors == 2
 
 

@@ -40,8 +40,6 @@ from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
 from distributed.utils_test import captured_logger, gen_test, inc, popen
 
-pytestmark = pytest.mark.usefixtures("mpi")
-
 
 async def echo(comm):
     """Send back every message, until the comm closes"""

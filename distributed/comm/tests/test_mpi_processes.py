@@ -19,7 +19,7 @@ from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_
 from distributed.protocol import to_serialize
 from distributed.utils_test import gen_test
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("mpi")]
+pytestmark = pytest.mark.timeout(180)
 
 # One process of mpi_peer, under mpiexec: add its command
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
