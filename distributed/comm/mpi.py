@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import enum
 import json
 import logging
 import socket
 import struct
 import weakref
 from time import monotonic
+from typing import NamedTuple
 
 import dask
 from dask.utils import format_time, parse_bytes, parse_timedelta
@@ -79,9 +80,9 @@ _PROTOCOL = 3
 _MAX_HANDSHAKE = 64 * 1024
 
 # On the TCP connection after the handshake, a byte then its numbers (u64):
-# a doorbell, with the messages written and read so far; a switch to TCP,
+# a doorbell, with the messages written and read so far; a move to TCP,
 # with the messages read; or a closing byte, before a graceful close
-_DOORBELL, _SWITCH, _CLOSING = 1, 2, 0
+_DOORBELL, _MOVE, _CLOSING = 1, 2, 0
 _COUNT = struct.Struct("!Q")
 _COUNTS = struct.Struct("!QQ")
 
@@ -202,49 +203,232 @@ def _weakly(method):
     return call
 
 
+def _pack(frames: list[memoryview], read: int, inline_size: int):
+    """A message's head, and the frames to send after it: none when they fit
+    in the head.  Every frame is in host memory (location 0): mpi:// comms
+    do not use distributed's "cuda" serializers yet"""
+    sizes = [frame.nbytes for frame in frames]
+    inline = _HEAD.size + 9 * len(frames) + sum(sizes) <= inline_size
+    head = [
+        _HEAD.pack(_INLINE if inline else 0, len(frames), read),
+        struct.pack(f"<{len(sizes)}Q", *sizes),
+        bytes(len(frames)),
+    ]
+    if inline:
+        return b"".join([*head, *frames]), []
+    return b"".join(head), frames
+
+
 def _chunks(frame: memoryview, size: int) -> list[memoryview]:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
 
-class MPI(TCP):
-    """A comm whose messages travel over an MPI channel; over its TCP
-    connection, like a ``tcp://`` comm, between two processes that MPI could
-    not connect"""
+class State(enum.Enum):
+    """Where an mpi:// comm's messages travel.  Transitions: OPENING to ON_MPI
+    or ON_TCP (the handshake); ON_MPI to MOVING (:meth:`MPI._move_to_tcp`),
+    then ON_TCP; ON_MPI to PEER_CLOSED (the peer closed its end: read what it
+    sent before, write nothing); any state to CLOSED (:meth:`MPI.close`,
+    :meth:`MPI.abort`, the peer's CLOSE head)."""
 
-    def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
-        super().__init__(stream, local_addr, peer_addr, deserialize)
-        self._over_tcp = False
-        self._inline_size = parse_bytes(config("inline-size"))
-        # Open MPI 5 has no large-count calls: keep each message below 2 GiB
-        self._chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
-        # A woken engine polls for idle-after: ring at least twice as often
-        self._ring_interval = parse_timedelta(config("idle-after")) / 2
+    OPENING = "opening"
+    ON_MPI = "on MPI"
+    MOVING = "moving to TCP"
+    ON_TCP = "on TCP"
+    PEER_CLOSED = "closed by the peer"
+    CLOSED = "closed"
+
+
+class _Route(NamedTuple):
+    """Where a comm's MPI messages go: its channel, tags and progress engine"""
+
+    channel: mpi_channel.Channel
+    send_tag: int
+    recv_tag: int
+    engine: ProgressEngine
+    sender: LocalPeer | None  # the peer, when it is on this host
+    inline_size: int  # messages up to this size travel inside their head
+    chunk_size: int  # larger frames travel in pieces of this size
+
+
+class _Ledger:
+    """How many messages each end of a comm wrote and read, and the messages
+    this end wrote that the peer has not said it read: they are written again
+    over TCP should the comm move there"""
+
+    def __init__(self):
+        self.written = 0  # messages this end wrote over MPI
+        self.read = 0  # ... and read
+        self.announced = 0  # messages the peer wrote, as it last said
+        self.unread: collections.deque = collections.deque()  # (number, write args)
+
+    def wrote(self, *write_args) -> None:
+        self.written += 1
+        self.unread.append((self.written, write_args))
+
+    def peer_wrote(self, written: int) -> None:
+        self.announced = max(self.announced, written)
+
+    def peer_read(self, read: int) -> None:
+        """The peer read the first ``read`` messages: never write them again"""
+        while self.unread and self.unread[0][0] <= read:
+            self.unread.popleft()
+
+    @property
+    def behind(self) -> bool:
+        """Whether the peer wrote messages this end has not read"""
+        return self.announced > self.read
+
+    def counts(self) -> tuple[int, int]:
+        return self.written, self.read
+
+
+class _Doorbell:
+    """Wakes the peer's progress engine: a byte on the comm's TCP connection,
+    with the messages written and read so far.  Rings at most once per
+    ``interval`` (a woken engine polls for ``idle-after``: twice as long), and
+    once more at its end with what changed in between."""
+
+    def __init__(self, stream, ledger: _Ledger, interval: float):
+        self.stream = stream  # None once the connection carries no doorbells
+        self._ledger = ledger
+        self._interval = interval
         self._rung = float("-inf")
         self._told = (0, 0)  # what the peer was told: messages written, read
-        self._ring_later: asyncio.TimerHandle | None = None
-        self._written = 0  # messages written over MPI
-        self._received = 0  # ... and read
-        self._announced = 0  # messages the peer wrote, as last rung
-        # Messages written, until the peer rings that it read them:
-        # (number, msg, serializers, on_error)
-        self._unread: collections.deque = collections.deque()
-        self._reading: asyncio.Future | None = None  # done when a read leaves MPI
-        self._switch: asyncio.Future | None = None  # moving to TCP; done when moved
-        self._peer_switched: asyncio.Future | None = None  # its messages read
-        self._stall_timeout = parse_timedelta(config("stall-timeout"))
-        self._stall_check: asyncio.TimerHandle | None = None
+        self._later: asyncio.TimerHandle | None = None
+
+    def ring(self, news_only: bool = False) -> None:
+        counts = self._ledger.counts()
+        if self.stream is None or (news_only and counts == self._told):
+            return
+        wait = self._rung + self._interval - monotonic()
+        if wait > 0:
+            if self._later is None:
+                self._later = asyncio.get_running_loop().call_later(wait, self._again)
+            return
+        self._rung, self._told = monotonic(), counts
+        try:
+            self.stream.write(bytes([_DOORBELL]) + _COUNTS.pack(*counts))
+        except StreamClosedError:
+            pass
+
+    def ring_soon(self) -> None:
+        """Within ``interval``, unless a doorbell goes out sooner: the peer
+        may forget what this end read (a message's head tells it sooner)"""
+        if self._later is None:
+            loop = asyncio.get_running_loop()
+            self._later = loop.call_later(self._interval, self._again)
+
+    def ring_until_sent(self, sent: asyncio.Future) -> None:
+        """Ring, and again every ``interval`` until the message is sent: MPI
+        may put it on the wire only in a later call (a connection still being
+        set up, a full queue), when the peer, woken too early, has gone back
+        to sleep"""
+        self.ring()
+        if not sent.done():
+            loop = asyncio.get_running_loop()
+            loop.call_later(self._interval, self.ring_until_sent, sent)
+
+    def told_read(self) -> None:
+        """A message's head told the peer how many messages this end read"""
+        self._told = (self._told[0], self._ledger.read)
+
+    def silence(self) -> None:
+        """The connection carries TCP messages from now on, or nothing"""
+        self.stream = None
+        if self._later is not None:
+            self._later.cancel()
+
+    def _again(self) -> None:
+        self._later = None
+        self.ring(news_only=True)
+
+
+class _StallWatch:
+    """Notices that MPI stopped delivering to a comm: the peer rang for
+    messages that were not read, a read waits, and MPI delivered nothing to
+    it for ``stall-timeout`` (as when a killed process left UCX's
+    shared-memory queue of this one blocked)"""
+
+    def __init__(self, comm: MPI, timeout: float):
+        self._comm = weakref.ref(comm)
+        self._timeout = timeout
+        self._timer: asyncio.TimerHandle | None = None
         self._progress_at = 0.0  # a read started or received something
-        self._receiving: list = []  # requests of the frames being read
+        self.receiving: list = []  # requests of the frames being read
         self._receiving_seen = 0  # how many of them were pending, last check
-        self._suspect_stall = False
-        self._channel: mpi_channel.Channel | None = None
-        self._engine: ProgressEngine | None = None
-        self._sender: LocalPeer | None = None  # the peer, if on this host
-        self._send_tag = self._recv_tag = -1
-        self._closed = False  # no more writes: closed here, or by the peer
-        self._reads_over = False  # no more reads: the stream has ended
-        self._reads: set = set()  # engine futures of reads in progress
-        self._writes: set = set()  # ... and of writes
+        self._suspect = False
+
+    def progress(self) -> None:
+        self._progress_at = monotonic()
+
+    def start(self) -> None:
+        """Check now and then while the peer wrote messages not read yet"""
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._timeout / 4, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _check(self) -> None:
+        self._timer = None
+        comm = self._comm()
+        if comm is None or comm._state is not State.ON_MPI or not comm._ledger.behind:
+            return
+        now = monotonic()
+        receiving = sum(map(bool, self.receiving))  # completed ones are null
+        if receiving != self._receiving_seen:
+            self._progress_at = now
+            self._receiving_seen = receiving
+        if not comm._reads or now - self._progress_at < self._timeout:
+            self._suspect = False
+        elif not self._suspect:
+            # This event loop may have been busy: let the engine poll once
+            # more before concluding
+            self._suspect = True
+            comm._route.engine.wake()
+        else:
+            comm._stalled(self._timeout)
+            return
+        self.start()
+
+
+class MPI(TCP):
+    """A comm whose messages travel over an MPI channel.
+
+    It is a ``TCP`` comm, and takes from it: the TCP connection (``stream``)
+    made by the connector or listener, and the finalizer that closes it
+    when the comm is collected; the addresses and ``extra_info``; and, in
+    state ON_TCP, ``read``, ``write``, ``close`` and ``closed`` as they are.
+    In every other state (see :class:`State`) the TCP connection carries the
+    handshake, then doorbells and the end of the comm, and messages travel
+    over MPI."""
+
+    def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
+        self._state = State.OPENING  # before TCP's __init__, whose repr() asks
+        super().__init__(stream, local_addr, peer_addr, deserialize)
+        self._route: _Route | None = None  # once ON_MPI
+        self._ledger = _Ledger()
+        self._doorbell = _Doorbell(
+            stream, self._ledger, parse_timedelta(config("idle-after")) / 2
+        )
+        self._stall_watch = _StallWatch(self, parse_timedelta(config("stall-timeout")))
+        self._reads: set = set()  # engine futures of the read in progress
+        self._writes: set = set()  # ... and of writes not sent yet
+        self._reading: asyncio.Future | None = None  # done when a read leaves MPI
+        self._moved: asyncio.Task | None = None  # finishes MOVING
+        self._peer_moved: asyncio.Future | None = None  # what the peer read
+        self._watcher: asyncio.Task | None = None  # follows the TCP connection
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def closed(self):
+        if self._state in (State.OPENING, State.ON_TCP):
+            return super().closed()
+        return self._state in (State.PEER_CLOSED, State.CLOSED)
 
     # Setting up
 
@@ -265,7 +449,7 @@ class MPI(TCP):
         gave_up = peer.get("gave_up_on") == mpi_startup.process_id()
         if gave_up or not mpi_channel.reachable(peer["process"]):
             await _send_handshake(stream, {**_hello(), "mpi": False})
-            self._over_tcp = True
+            self._state = State.ON_TCP
             return
         channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
         new = channel is None
@@ -274,9 +458,8 @@ class MPI(TCP):
         tag = channel.allocate_tags()
         reply = {**_hello(), "channel": channel.id, "tag": tag, "new": new}
         await _send_handshake(stream, reply)
-        if new and not await self._open(channel, peer):
-            return
-        self._start(channel, peer, recv_tag=tag, send_tag=tag + 1)
+        if not new or await self._open(channel, peer):
+            self._start(channel, peer, recv_tag=tag, send_tag=tag + 1)
 
     async def _connect(self) -> None:
         """The connecting end of the handshake"""
@@ -299,7 +482,7 @@ class MPI(TCP):
         peer = reply["process"]
         mpi_channel.remember_address(self._peer_addr, peer)
         if reply.get("mpi") is False:
-            self._over_tcp = True
+            self._state = State.ON_TCP
             return
         if reply["new"]:
             channel = mpi_channel.new_channel(peer, reply["channel"])
@@ -374,57 +557,63 @@ class MPI(TCP):
             error or "it failed at the other end",
         )
         mpi_channel.give_up_on(channel)
-        self._over_tcp = True
+        self._state = State.ON_TCP
         return False
 
     def _start(self, channel, peer: dict, recv_tag: int, send_tag: int) -> None:
-        self._channel = channel
-        self._recv_tag = recv_tag
-        self._send_tag = send_tag
-        self._engine = ProgressEngine.current()
-        self._sender = LocalPeer.find(peer)
-        self._peer_switched = asyncio.get_running_loop().create_future()
+        self._route = _Route(
+            channel,
+            send_tag,
+            recv_tag,
+            ProgressEngine.current(),
+            LocalPeer.find(peer),
+            parse_bytes(config("inline-size")),
+            # Open MPI 5 has no large-count calls: keep each message below 2 GiB
+            min(parse_bytes(config("chunk-size")), 2**31 - 1),
+        )
+        self._state = State.ON_MPI
+        self._peer_moved = asyncio.get_running_loop().create_future()
         channel.comms.add(self)
         self._watcher = asyncio.ensure_future(
             _watch_peer(weakref.ref(self), self.stream)
         )
 
-    def _heard_doorbell(self, written: int, read: int) -> None:
-        """The peer wrote and read this many messages"""
-        self._announced = max(self._announced, written)
-        self._forget_read(read)
-        self._engine.wake()
-        if self._announced > self._received:
-            self._watch_for_stall()
+    # What the peer says over TCP (see _watch_peer)
 
-    def _heard_switch(self, read: int) -> None:
+    def _heard_doorbell(self, written: int, read: int) -> None:
+        self._ledger.peer_wrote(written)
+        self._ledger.peer_read(read)
+        self._route.engine.wake()
+        if self._ledger.behind and self._state is State.ON_MPI:
+            self._stall_watch.start()
+
+    def _heard_move(self, read: int) -> None:
         """The peer moves to TCP, having read this many messages"""
         self._move_to_tcp()
-        if not self._peer_switched.done():
-            self._peer_switched.set_result(read)
+        if not self._peer_moved.done():
+            self._peer_moved.set_result(read)
 
     def _peer_closed(self, graceful: bool) -> None:
         """The TCP connection ended: the peer closed the comm or is gone"""
-        if self._reads_over:
+        if self._state is State.CLOSED:
             return  # closed here
-        # Whatever the peer still had in flight will never be received
-        self._closed = True
         self._fail(self._writes, "peer closed the connection")
-        if not graceful or self._switch is not None:
+        if not graceful or self._state is not State.ON_MPI:
             self.abort()
             return
         # Reads go on until the CLOSE head, sent before the TCP connection
         # was closed; should it never come, give up after a while.
+        self._state = State.PEER_CLOSED
         asyncio.get_running_loop().call_later(_connect_timeout(), _weakly(self.abort))
 
     # Reading and writing
 
     async def read(self, deserializers=None):
-        if self._switch is not None:
-            await self._switch
-        if self._over_tcp:
+        if self._state is State.MOVING:
+            await self._moved
+        if self._state is State.ON_TCP:
             return await super().read(deserializers)
-        if self._reads_over:
+        if self._state is State.CLOSED:
             raise CommClosedError(f"{self} is closed")
         reading = self._reading = asyncio.get_running_loop().create_future()
         try:
@@ -433,12 +622,10 @@ class MPI(TCP):
             frames = None
         finally:
             reading.set_result(None)
-        if frames is None:
-            await self._switch
+        if frames is None:  # it comes again over TCP
+            await self._moved
             return await super().read(deserializers)
-        # Tell the peer that it may forget the message: in the head of the
-        # next message this end writes, or else in a doorbell
-        self._ring_soon()
+        self._doorbell.ring_soon()
         try:
             return await from_frames(
                 frames,
@@ -451,24 +638,29 @@ class MPI(TCP):
             raise CommClosedError("aborted stream on truncated data")
 
     async def _read_over_mpi(self) -> list:
-        channel, engine, sender = self._channel, self._engine, self._sender
-        self._progress_at = monotonic()
+        route, watch = self._route, self._stall_watch
+        channel, tag, engine, sender = (
+            route.channel,
+            route.recv_tag,
+            route.engine,
+            route.sender,
+        )
+        watch.progress()
         try:
             message, nbytes = await self._await_read(
-                engine.probe(channel.comm, channel.rank, self._recv_tag)
+                engine.probe(channel.comm, channel.rank, tag)
             )
-            self._progress_at = monotonic()
+            watch.progress()
             self._check_sender()
             head = bytearray(nbytes)
             request = message.Irecv([head, get_mpi().BYTE])
             await self._await_read(engine.transfer([request], head, sender))
 
             flags, nframes, read = _HEAD.unpack_from(head)
-            self._forget_read(read)
+            self._ledger.peer_read(read)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
             offset = _HEAD.size + 8 * nframes
             if flags & _CLOSE:
-                self._reads_over = self._closed = True
                 self.abort()
                 raise CommClosedError(f"{self} closed by peer")
             if any(head[offset : offset + nframes]):
@@ -481,21 +673,18 @@ class MPI(TCP):
                 for size in sizes:
                     frames.append(view[offset : offset + size])
                     offset += size
-                self._received += 1
             else:
                 frames = [host_array(size) for size in sizes]
                 self._check_sender()
                 requests = [
-                    channel.comm.Irecv(
-                        [chunk, get_mpi().BYTE], channel.rank, self._recv_tag
-                    )
+                    channel.comm.Irecv([chunk, get_mpi().BYTE], channel.rank, tag)
                     for frame in frames
-                    for chunk in _chunks(frame, self._chunk_size)
+                    for chunk in _chunks(frame, route.chunk_size)
                 ]
-                self._receiving = requests
+                watch.receiving = requests
                 await self._await_read(engine.transfer(requests, frames, sender))
-                self._receiving = []
-                self._received += 1
+                watch.receiving = []
+            self._ledger.read += 1
         except (CommClosedError, _MovedToTCP):
             raise
         except get_mpi().Exception as e:
@@ -510,16 +699,29 @@ class MPI(TCP):
     def _check_sender(self) -> None:
         """Before a receive, which may start to copy at once: the sender lives
         (see ``distributed.comm.mpi_liveness``)"""
-        if self._sender is not None and self._sender.died():
+        sender = self._route.sender
+        if sender is not None and sender.died():
             self.abort()
             raise CommClosedError(f"{self}: the peer process died")
 
+    async def _await_read(self, fut):
+        """Await an engine future of a read; give up if the comm is moving
+        to TCP, even if it completed: the peer will send it again there"""
+        self._reads.add(fut)
+        try:
+            result = await fut
+        finally:
+            self._reads.discard(fut)
+        if self._state in (State.MOVING, State.ON_TCP):
+            raise _MovedToTCP()
+        return result
+
     async def write(self, msg, serializers=None, on_error="message"):
-        if self._switch is not None:
-            await self._switch
-        if self._over_tcp:
+        if self._state is State.MOVING:
+            await self._moved
+        if self._state is State.ON_TCP:
             return await super().write(msg, serializers, on_error)
-        if self._closed:
+        if self._state is not State.ON_MPI:
             raise CommClosedError(f"{self} is closed")
         frames = await to_frames(
             msg,
@@ -537,37 +739,24 @@ class MPI(TCP):
                 None if self.handshake_options.get("compression") else 2**62
             ),
         )
-        frames = [ensure_memoryview(frame) for frame in frames]
-        sizes = [frame.nbytes for frame in frames]
-        nbytes = sum(sizes)
-        # mpi:// comms do not use distributed's "cuda" serializers (yet), so
-        # every frame is in host memory: location 0
-        head = [
-            _HEAD.pack(0, len(frames), self._received),
-            struct.pack(f"<{len(sizes)}Q", *sizes),
-            bytes(len(frames)),
-        ]
-        if _HEAD.size + 9 * len(sizes) + nbytes <= self._inline_size:
-            head[0] = _HEAD.pack(_INLINE, len(frames), self._received)
-            head.extend(frames)
-            frames = []
-        if self._closed:
-            raise CommClosedError(f"{self} is closed")
-        if self._switch is not None:  # while the message was serialised
-            await self._switch
+        # While the message was serialised:
+        if self._state is State.MOVING:
+            await self._moved
             return await super().write(msg, serializers, on_error)
-
-        channel, MPI = self._channel, get_mpi()
-        self._told = (self._told[0], self._received)
+        if self._state is not State.ON_MPI:
+            raise CommClosedError(f"{self} is closed")
+        frames = [ensure_memoryview(frame) for frame in frames]
+        nbytes = sum(frame.nbytes for frame in frames)
+        route = self._route
+        head, frames = _pack(frames, self._ledger.read, route.inline_size)
+        channel, tag = route.channel, route.send_tag
+        MPI = get_mpi()
         try:
-            head = b"".join(head)
-            requests = [
-                channel.comm.Isend([head, MPI.BYTE], channel.rank, self._send_tag)
-            ]
+            requests = [channel.comm.Isend([head, MPI.BYTE], channel.rank, tag)]
             requests.extend(
-                channel.comm.Isend([chunk, MPI.BYTE], channel.rank, self._send_tag)
+                channel.comm.Isend([chunk, MPI.BYTE], channel.rank, tag)
                 for frame in frames
-                for chunk in _chunks(frame, self._chunk_size)
+                for chunk in _chunks(frame, route.chunk_size)
             )
         except MPI.Exception as e:
             self.abort()
@@ -575,191 +764,95 @@ class MPI(TCP):
         # Like a TCP comm's write, return once the message is queued: waiting
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
-        self._written += 1
-        self._unread.append((self._written, msg, serializers, on_error))
-        sent = self._engine.transfer(requests, (head, frames))
+        self._doorbell.told_read()
+        self._ledger.wrote(msg, serializers, on_error)
+        sent = self._route.engine.transfer(requests, (head, frames))
         if not sent.done():
             self._writes.add(sent)
             sent.add_done_callback(_weakly(self._sent))
-        self._ring_until_sent(sent)
+        self._doorbell.ring_until_sent(sent)
         return nbytes
 
     def _sent(self, fut) -> None:
         self._writes.discard(fut)
         failed = fut.exception() is not None  # also marks it as retrieved
-        if failed and not self._closed and self._switch is None:
+        if failed and self._state is State.ON_MPI:
             self.abort()  # MPI failed to send: the stream is broken
 
-    async def _await_read(self, fut):
-        """Await an engine future of a read; give up if the comm is moving
-        to TCP, even if it completed: the peer will send it again there"""
-        self._reads.add(fut)
-        try:
-            result = await fut
-        finally:
-            self._reads.discard(fut)
-        if self._switch is not None:
-            raise _MovedToTCP()
-        return result
+    # Moving to TCP, when MPI stopped delivering
 
-    def _forget_read(self, read: int) -> None:
-        """The peer read the first ``read`` messages: they are not written
-        again, should the comm move to TCP"""
-        unread = self._unread
-        while unread and unread[0][0] <= read:
-            unread.popleft()
-
-    def _ring_until_sent(self, sent: asyncio.Future) -> None:
-        """Ring, and again every ``_ring_interval`` until the message is
-        sent: MPI may put it on the wire only in a later call (a connection
-        still being set up, a full queue), when the peer, woken too early,
-        has gone back to sleep"""
-        self._ring()
-        if not sent.done():
-            loop = asyncio.get_running_loop()
-            loop.call_later(self._ring_interval, _weakly(self._ring_until_sent), sent)
-
-    def _ring(self, news_only: bool = False) -> None:
-        """Wake the peer's progress engine and tell it how many messages this
-        end wrote and read: at most once per ``_ring_interval``, and once
-        more at its end with what changed in between"""
-        counts = (self._written, self._received)
-        if self._switch is not None or self.stream is None:
-            return  # the TCP connection carries TCP messages now, or nothing
-        if news_only and counts == self._told:
-            return
-        wait = self._rung + self._ring_interval - monotonic()
-        if wait > 0:
-            if self._ring_later is None:
-                loop = asyncio.get_running_loop()
-                self._ring_later = loop.call_later(wait, _weakly(self._ring_again))
-            return
-        self._rung, self._told = monotonic(), counts
-        try:
-            self.stream.write(bytes([_DOORBELL]) + _COUNTS.pack(*counts))
-        except StreamClosedError:
-            pass
-
-    def _ring_again(self) -> None:
-        self._ring_later = None
-        self._ring(news_only=True)
-
-    def _ring_soon(self) -> None:
-        """Ring within ``_ring_interval``, unless a doorbell goes out sooner"""
-        if self._ring_later is None:
-            loop = asyncio.get_running_loop()
-            self._ring_later = loop.call_later(
-                self._ring_interval, _weakly(self._ring_again)
-            )
-
-    # Noticing that MPI stopped delivering
-
-    def _watch_for_stall(self) -> None:
-        """The peer wrote messages not read yet: check that they arrive"""
-        if self._stall_check is None and not self._reads_over:
-            loop = asyncio.get_running_loop()
-            self._stall_check = loop.call_later(
-                self._stall_timeout / 4, _weakly(self._check_stall)
-            )
-
-    def _check_stall(self) -> None:
-        """Whether MPI delivered nothing for ``stall-timeout`` to a read
-        waiting for messages that the peer wrote: then it will not"""
-        self._stall_check = None
-        if self._reads_over or self._switch is not None:
-            return
-        if self._announced <= self._received:
-            return
-        now = monotonic()
-        receiving = sum(map(bool, self._receiving))  # completed ones are null
-        if receiving != self._receiving_seen:
-            self._progress_at = now
-            self._receiving_seen = receiving
-        if not self._reads or now - self._progress_at < self._stall_timeout:
-            self._suspect_stall = False
-        elif not self._suspect_stall:
-            # This event loop may have been busy: let the engine poll once
-            # more before concluding
-            self._suspect_stall = True
-            self._engine.wake()
-        else:
-            self._stalled()
-            return
-        self._watch_for_stall()
-
-    def _stalled(self) -> None:
-        channel = self._channel
+    def _stalled(self, timeout: float) -> None:
+        channel = self._route.channel
         logger.warning(
             "MPI delivered nothing from %s to %s for %s, though %d message(s) "
             "were written: their comms move their messages over TCP from now on",
             self._peer_addr,
             self._local_addr,
-            format_time(self._stall_timeout),
-            self._announced - self._received,
+            format_time(timeout),
+            self._ledger.announced - self._ledger.read,
         )
         for comm in list(channel.comms):
             comm._move_to_tcp()
         mpi_channel.give_up_on(channel)
 
     def _move_to_tcp(self) -> None:
-        """Start to move this comm to TCP, once: reads and writes in MPI give
-        up, both ends say over TCP how many messages they read, and write
-        there again those the other did not read"""
-        if self._switch is not None or self.stream is None:
+        """Move this comm to TCP, once: reads and writes in MPI give up, both
+        ends say over TCP how many messages they read, and write there again
+        those the other did not read"""
+        if self._state is not State.ON_MPI or self.stream is None:
             return
-        self._switch = asyncio.get_running_loop().create_future()
-        for fut in list(self._reads):
-            self._engine.cancel(fut, _MovedToTCP())
-        for fut in list(self._writes):
-            self._engine.cancel(fut, CommClosedError(f"{self}: moved to TCP"))
-        asyncio.ensure_future(self._switch_to_tcp())
+        self._state = State.MOVING
+        self._doorbell.silence()
+        self._stall_watch.stop()
+        self._fail(self._reads, "moved to TCP", _MovedToTCP())
+        self._fail(self._writes, "moved to TCP")
+        self._moved = asyncio.ensure_future(self._finish_move())
 
-    async def _switch_to_tcp(self) -> None:
+    async def _finish_move(self) -> None:
         try:
             if self._reading is not None:
                 await self._reading  # and with it, what was read
-            self.stream.write(bytes([_SWITCH]) + _COUNT.pack(self._received))
-            read = await wait_for(self._peer_switched, _connect_timeout())
-            for number, msg, serializers, on_error in self._unread:
+            self.stream.write(bytes([_MOVE]) + _COUNT.pack(self._ledger.read))
+            read = await wait_for(self._peer_moved, _connect_timeout())
+            for number, write_args in self._ledger.unread:
                 if number > read:
-                    await super().write(msg, serializers, on_error)
-            self._unread.clear()
-            self._over_tcp = True
-            self._switch.set_result(None)
+                    await super().write(*write_args)
+            self._ledger.unread.clear()
+            self._state = State.ON_TCP
         except Exception as e:
             logger.warning("%s: moving to TCP failed: %r", self, e)
             self.abort()
 
     # Closing
 
-    def _fail(self, pending: set, reason: str) -> None:
+    def _fail(self, pending: set, reason: str, exc: BaseException | None = None):
+        """Give up the engine futures ``pending``"""
         for fut in list(pending):
-            self._engine.cancel(fut, CommClosedError(f"{self}: {reason}"))
+            self._route.engine.cancel(fut, exc or CommClosedError(f"{self}: {reason}"))
 
     async def close(self):
         """Close after the messages written so far: the peer reads them,
         then ``CommClosedError``"""
-        if self._switch is not None:
-            with contextlib.suppress(CommClosedError):
-                await self._switch
-        if self._over_tcp:
+        if self._state is State.MOVING:
+            await self._moved
+        if self._state is State.ON_TCP:
             return await super().close()
         stream, self.stream = self.stream, None
-        was_open = not self._closed
-        self._closed = self._reads_over = True
-        if self._engine is not None:
+        was_open = self._state is State.ON_MPI
+        self._state = State.CLOSED
+        self._doorbell.silence()
+        self._stall_watch.stop()
+        if self._route is not None:
             self._fail(self._reads, "closed")
         if stream is None or stream.closed():
             return
         try:
-            if was_open and self._channel is not None:
-                head = _HEAD.pack(_CLOSE, 0, self._received)
-                channel = self._channel
-                request = channel.comm.Isend(
-                    [head, get_mpi().BYTE], channel.rank, self._send_tag
-                )
+            if was_open:
+                channel, tag = self._route.channel, self._route.send_tag
+                head = _HEAD.pack(_CLOSE, 0, self._ledger.read)
+                request = channel.comm.Isend([head, get_mpi().BYTE], channel.rank, tag)
                 # Nobody waits for it: a peer that closed too never reads it
-                self._engine.orphan([request], head)
+                self._route.engine.orphan([request], head)
                 await stream.write(bytes([_CLOSING]))
         except (StreamClosedError, get_mpi().Exception):
             pass
@@ -770,16 +863,14 @@ class MPI(TCP):
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
         stream, self.stream = self.stream, None
-        self._closed = self._reads_over = True
-        self._unread.clear()
-        for timer in (self._stall_check, self._ring_later):
-            if timer is not None:
-                timer.cancel()
-        for fut in (self._switch, self._peer_switched):
-            if fut is not None and not fut.done():
-                fut.set_exception(CommClosedError(f"{self}: aborted"))
-                fut.exception()  # retrieved, though nobody may wait for it
-        if self._engine is not None:
+        self._state = State.CLOSED
+        self._ledger.unread.clear()
+        self._doorbell.silence()
+        self._stall_watch.stop()
+        if self._peer_moved is not None and not self._peer_moved.done():
+            self._peer_moved.set_exception(CommClosedError(f"{self}: aborted"))
+            self._peer_moved.exception()  # retrieved, though nobody may wait
+        if self._route is not None:
             self._fail(self._reads | self._writes, "aborted")
         if stream is not None and not stream.closed():
             self._finalizer.detach()
@@ -788,8 +879,8 @@ class MPI(TCP):
 
 async def _watch_peer(ref: weakref.ref[MPI], stream) -> None:
     """Follow a comm's TCP connection: a doorbell wakes the progress engine,
-    a switch moves the comm to TCP, the end means the peer closed the comm
-    or is gone.  Holds the comm only between bytes, so that a comm dropped
+    a move takes the comm to TCP, the end means the peer closed the comm or
+    is gone.  Holds the comm only between bytes, so that a comm dropped
     without close() is collected (and its finalizer closes the connection)"""
     graceful = False
     try:
@@ -802,10 +893,10 @@ async def _watch_peer(ref: weakref.ref[MPI], stream) -> None:
                 if comm := ref():
                     comm._heard_doorbell(*counts)
                 del comm
-            elif kind == _SWITCH:
+            elif kind == _MOVE:
                 (read,) = _COUNT.unpack(await stream.read_bytes(_COUNT.size))
                 if comm := ref():
-                    comm._heard_switch(read)
+                    comm._heard_move(read)
                 return  # what follows is TCP messages, for read()
             else:
                 raise ValueError(f"unexpected byte {kind} after the handshake")

@@ -15,6 +15,7 @@ pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 
 from distributed.comm import CommClosedError, connect, mpi_startup
+from distributed.comm.mpi import State
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
 from distributed.utils_test import gen_test
@@ -134,19 +135,19 @@ async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch
         pending = asyncio.ensure_future(other.read())
         # A real MPI message, on a tag the server never receives on
         MPI = mpi_startup.get_mpi()
-        comm._send_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        comm._route = comm._route._replace(send_tag=MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         array = np.arange(1000)  # sent at once: MPI's part is done
         await comm.write({"op": "sum", "x": to_serialize(array)})
         got = await asyncio.wait_for(comm.read(), 30)
         assert got["sum"] == array.sum()
-        assert comm._over_tcp
+        assert comm.state is State.ON_TCP
         # The other comm of the pair, waiting in a read, goes on over TCP too
         await other.write("over TCP")
         assert await pending == "over TCP"
-        assert other._over_tcp
+        assert other.state is State.ON_TCP
         # ... and so does a new one
         new = await connect(address)
-        assert new._over_tcp
+        assert new.state is State.ON_TCP
         await new.write("new")
         assert await new.read() == "new"
         await asyncio.gather(*(c.close() for c in (comm, other, new)))
