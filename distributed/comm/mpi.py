@@ -37,9 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import json
 import logging
-import socket
 import struct
 import weakref
 from time import monotonic
@@ -49,11 +47,11 @@ import dask
 from dask.utils import format_time, parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
-from distributed.comm import mpi_channel, mpi_startup
+from distributed.comm import mpi_channel, mpi_handshake as handshake, mpi_startup
 from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import ACCEPTOR
-from distributed.comm.mpi_liveness import LocalPeer, beacon
+from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.tcp import (
@@ -73,12 +71,6 @@ _HEAD = struct.Struct("<BxxxIQ")
 _INLINE = 1
 _CLOSE = 2
 
-# Handshake messages on the TCP connection: magic, length, JSON
-_HANDSHAKE = struct.Struct("!8sI")
-_MAGIC = b"DASK-MPI"
-_PROTOCOL = 3
-_MAX_HANDSHAKE = 64 * 1024
-
 # On the TCP connection after the handshake, a byte then its numbers (u64):
 # a doorbell, with the messages written and read so far; a move to TCP,
 # with the messages read; or a closing byte, before a graceful close
@@ -91,104 +83,8 @@ class _MovedToTCP(Exception):
     """A read over MPI gave up: the message comes again over TCP"""
 
 
-class _Refused(ValueError):
-    """A peer that cannot talk to this process over MPI"""
-
-
-_refusals: set[str] = set()
-
-
-def _log_refusal(message: str) -> None:
-    """Log why MPI cannot connect two processes, once: a refused worker
-    retries for good, saying only that it waits for its scheduler"""
-    if message not in _refusals:
-        _refusals.add(message)
-        logger.warning(message)
-
-
 def _connect_timeout() -> float:
     return parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
-
-
-async def _send_handshake(stream, msg: dict) -> None:
-    body = json.dumps(msg).encode()
-    await stream.write(_HANDSHAKE.pack(_MAGIC, len(body)) + body)
-
-
-async def _recv_handshake(stream) -> dict:
-    """The peer's next handshake message; FatalCommClosedError if what it
-    sent is not one: it does not speak mpi://, and will not when asked again"""
-    magic, size = _HANDSHAKE.unpack(await stream.read_bytes(_HANDSHAKE.size))
-    if magic != _MAGIC or size > _MAX_HANDSHAKE:
-        raise FatalCommClosedError(
-            "the peer did not answer with an mpi:// handshake: is its address "
-            "an mpi:// address?"
-        )
-    try:
-        msg = json.loads(await stream.read_bytes(size))
-    except ValueError:
-        msg = None
-    if not isinstance(msg, dict):
-        raise FatalCommClosedError("the peer sent a malformed mpi:// handshake")
-    return msg
-
-
-def _hello() -> dict:
-    return {
-        "protocol": _PROTOCOL,
-        "process": mpi_startup.process_id(),
-        "library": mpi_startup.library(),
-        "world": mpi_startup.world(),
-        "beacon": beacon(),
-    }
-
-
-def _incompatibility(peer: dict) -> str | None:
-    """Why a peer with this hello cannot talk to us over MPI, if it cannot"""
-    if peer.get("protocol") != _PROTOCOL:
-        return (
-            f"peer speaks mpi:// protocol {peer.get('protocol')!r}, this process "
-            f"{_PROTOCOL}: use the same version of distributed everywhere"
-        )
-    if peer.get("library") != mpi_startup.library():
-        return (
-            f"peer uses MPI library {peer.get('library')!r}, this process "
-            f"{mpi_startup.library()!r}: all processes of a cluster on mpi:// "
-            "must use the same MPI library"
-        )
-    if not isinstance(peer.get("process"), str):
-        return "peer did not say which process it is"
-    if (
-        mpi_startup.library().startswith("Open MPI")
-        and peer["process"] != mpi_startup.process_id()
-        and not _same_world(peer)
-    ):
-        # It would hang in MPI_Comm_connect rather than fail
-        return (
-            "Open MPI cannot connect processes of different mpiexec jobs, nor "
-            "processes not started by mpiexec (a nanny's worker process is "
-            "not): start them all in one mpiexec job, workers with --no-nanny "
-            "(dask-mpi: --worker-class distributed.Worker), or use MPICH"
-        )
-    return None
-
-
-def _same_world(peer: dict) -> bool:
-    """Whether the peer is another rank of this process's mpiexec job"""
-    mine, theirs = mpi_startup.world(), peer.get("world")
-    return mine is not None and theirs is not None and theirs[0] == mine[0]
-
-
-def _peer_gone(stream) -> bool:
-    """Whether the peer closed the TCP connection, without reading from it"""
-    if stream.closed():
-        return True
-    try:
-        return stream.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def _weakly(method):
@@ -436,19 +332,19 @@ class MPI(TCP):
         """The listening end of the handshake"""
         await mpi_startup.mpi_ready()
         stream = self.stream
-        peer = await _recv_handshake(stream)
-        problem = _incompatibility(peer)
+        peer = await handshake.recv(stream)
+        problem = handshake.incompatibility(peer)
         if problem:
-            await _send_handshake(stream, {"error": problem})
-            _log_refusal(
+            await handshake.send(stream, {"error": problem})
+            handshake.log_refusal(
                 f"mpi:// listener at {self._local_addr} refuses connections "
                 f"from {get_address_host(self._peer_addr)}: {problem}"
             )
-            raise _Refused(problem)
+            raise handshake.Refused(problem)
         # MPI failed between these two processes before: do not wait for it again
         gave_up = peer.get("gave_up_on") == mpi_startup.process_id()
         if gave_up or not mpi_channel.reachable(peer["process"]):
-            await _send_handshake(stream, {**_hello(), "mpi": False})
+            await handshake.send(stream, {**handshake.hello(), "mpi": False})
             self._state = State.ON_TCP
             return
         channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
@@ -456,8 +352,8 @@ class MPI(TCP):
         if new:
             channel = mpi_channel.new_channel(peer["process"])
         tag = channel.allocate_tags()
-        reply = {**_hello(), "channel": channel.id, "tag": tag, "new": new}
-        await _send_handshake(stream, reply)
+        reply = {**handshake.hello(), "channel": channel.id, "tag": tag, "new": new}
+        await handshake.send(stream, reply)
         if not new or await self._open(channel, peer):
             self._start(channel, peer, recv_tag=tag, send_tag=tag + 1)
 
@@ -468,16 +364,16 @@ class MPI(TCP):
         last = mpi_channel.peer_at(self._peer_addr)  # may since have restarted
         known = last and mpi_channel.find_channel(None, last)
         hello = {
-            **_hello(),
+            **handshake.hello(),
             "channel": known and known.id,
             "gave_up_on": None if mpi_channel.reachable(last) else last,
         }
-        await _send_handshake(stream, hello)
-        reply = await _recv_handshake(stream)
-        problem = reply.get("error") or _incompatibility(reply)
+        await handshake.send(stream, hello)
+        reply = await handshake.recv(stream)
+        problem = reply.get("error") or handshake.incompatibility(reply)
         if problem:
             message = f"Cannot connect to {self._peer_addr}: {problem}"
-            _log_refusal(message)
+            handshake.log_refusal(message)
             raise FatalCommClosedError(message)
         peer = reply["process"]
         mpi_channel.remember_address(self._peer_addr, peer)
@@ -508,22 +404,22 @@ class MPI(TCP):
         moves its messages over TCP: MPI that cannot connect two processes
         may slow a cluster down, but must not stop it."""
         stream = self.stream
-        same_world = _same_world(peer)
+        same_world = handshake.same_world(peer)
         timeout = parse_timedelta(config("channel-timeout"))
         error = None
         try:
             if channel.role == ACCEPTOR:
                 port = None if same_world else mpi_channel.open_port()
                 try:
-                    await _send_handshake(stream, {"port": port})
+                    await handshake.send(stream, {"port": port})
                 except BaseException:
                     if port is not None:
                         mpi_channel.close_port(port)
                     raise
             else:
-                port = (await _recv_handshake(stream))["port"]
+                port = (await handshake.recv(stream))["port"]
                 acceptor = LocalPeer.find(peer)
-                if _peer_gone(stream) or (acceptor and acceptor.died()):
+                if handshake.peer_gone(stream) or (acceptor and acceptor.died()):
                     raise CommClosedError(
                         f"{self._peer_addr} went away while opening an MPI channel"
                     )
@@ -539,8 +435,8 @@ class MPI(TCP):
         except get_mpi().Exception as e:
             error = e
         try:
-            await _send_handshake(stream, {"opened": error is None})
-            opened = (await _recv_handshake(stream))["opened"] is True
+            await handshake.send(stream, {"opened": error is None})
+            opened = (await handshake.recv(stream))["opened"] is True
         except StreamClosedError:
             if error is None:
                 raise
@@ -939,7 +835,7 @@ class MPIListener(TCPListener):
             await wait_for(comm._accept(), _connect_timeout())
         except Exception as e:
             # A bad peer fails alone: the listener goes on serving others
-            if not isinstance(e, _Refused):  # logged once, by _accept
+            if not isinstance(e, handshake.Refused):  # logged once, by _accept
                 logger.warning(
                     "mpi:// listener at %s: connection from %s failed: %s",
                     self.contact_address,

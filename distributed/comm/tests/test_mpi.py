@@ -8,7 +8,6 @@ import asyncio
 import gc
 import json
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from distributed.comm import (
     resolve_address,
 )
 from distributed.comm.core import FatalCommClosedError
-from distributed.comm.mpi import _PROTOCOL
+from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.registry import backends
 from distributed.core import Server, rpc
@@ -271,7 +270,7 @@ async def test_deserialize(deserialize_on_read):
 async def test_garbage_handshake_does_not_stop_listener():
     async with listen("mpi://127.0.0.1:0", echo) as listener:
         host, port = get_address_host_port(listener.contact_address)
-        for garbage in [b"GET / HTTP/1.1\r\n\r\n", b"DASK-MPI" + b"\xff" * 8, b""]:
+        for garbage in [b"GET / HTTP/1.1\r\n\r\n", MAGIC + b"\xff" * 8, b""]:
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(garbage)
             await writer.drain()
@@ -282,7 +281,7 @@ async def test_garbage_handshake_does_not_stop_listener():
 def handshake(message: dict) -> bytes:
     """A handshake message as mpi:// sends it: magic, length, JSON"""
     body = json.dumps(message).encode()
-    return struct.pack("!8sI", b"DASK-MPI", len(body)) + body
+    return HEADER.pack(MAGIC, len(body)) + body
 
 
 async def say_hello(address, hello: dict) -> dict:
@@ -290,7 +289,7 @@ async def say_hello(address, hello: dict) -> dict:
     host, port = get_address_host_port(address)
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(handshake(hello))
-    magic, size = struct.unpack("!8sI", await reader.readexactly(12))
+    magic, size = HEADER.unpack(await reader.readexactly(HEADER.size))
     reply = json.loads(await reader.readexactly(size))
     assert await reader.read() == b""  # and the connection is closed
     writer.close()
@@ -300,12 +299,12 @@ async def say_hello(address, hello: dict) -> dict:
 @gen_test()
 async def test_peer_with_another_mpi_library_is_refused():
     hello = {
-        "protocol": _PROTOCOL,
+        "protocol": PROTOCOL,
         "process": "elsewhere/1/x",
         "library": "Other MPI 9.9",
     }
     async with listen("mpi://127.0.0.1:0", echo) as listener:
-        with captured_logger("distributed.comm.mpi") as log:
+        with captured_logger("distributed.comm.mpi_handshake") as log:
             for _ in range(3):  # a refused worker retries for good
                 reply = await say_hello(listener.contact_address, hello)
                 assert "Other MPI 9.9" in reply["error"]
@@ -323,7 +322,7 @@ async def test_refused_connector_says_why_once():
     retries for good, and itself only says that it waits"""
 
     async def refuse(reader, writer):
-        await reader.readexactly(12)
+        await reader.readexactly(HEADER.size)
         writer.write(handshake({"error": "no MPI for you"}))
         await writer.drain()
         writer.close()
@@ -331,7 +330,7 @@ async def test_refused_connector_says_why_once():
     server = await asyncio.start_server(refuse, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        with captured_logger("distributed.comm.mpi") as log:
+        with captured_logger("distributed.comm.mpi_handshake") as log:
             for _ in range(3):
                 with pytest.raises(FatalCommClosedError, match="no MPI for you"):
                     await connect(f"mpi://127.0.0.1:{port}", timeout=5)

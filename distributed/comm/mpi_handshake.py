@@ -1,0 +1,121 @@
+"""The handshake of an mpi:// comm, on its TCP connection.
+
+Each message is the magic ``DASK-MPI``, a length (u32) and that many bytes of
+JSON.  The connector says hello (who it is, which MPI library, which
+``mpiexec`` job and rank); the listener answers with its own hello and the
+channel and tags the comm will use, or with why the two cannot talk over MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+
+from distributed.comm import mpi_startup
+from distributed.comm.core import FatalCommClosedError
+from distributed.comm.mpi_liveness import beacon
+
+logger = logging.getLogger(__name__)
+
+HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
+MAGIC = b"DASK-MPI"
+PROTOCOL = 3  # both ends must speak the same
+MAX_SIZE = 64 * 1024
+
+
+class Refused(ValueError):
+    """A peer that cannot talk to this process over MPI"""
+
+
+_refusals: set[str] = set()  # logged already
+
+
+def log_refusal(message: str) -> None:
+    """Log why MPI cannot connect two processes, once: a refused worker
+    retries for good, saying only that it waits for its scheduler"""
+    if message not in _refusals:
+        _refusals.add(message)
+        logger.warning(message)
+
+
+async def send(stream, msg: dict) -> None:
+    body = json.dumps(msg).encode()
+    await stream.write(HEADER.pack(MAGIC, len(body)) + body)
+
+
+async def recv(stream) -> dict:
+    """The peer's next handshake message; FatalCommClosedError if what it
+    sent is not one: it does not speak mpi://, and will not when asked again"""
+    magic, size = HEADER.unpack(await stream.read_bytes(HEADER.size))
+    if magic != MAGIC or size > MAX_SIZE:
+        raise FatalCommClosedError(
+            "the peer did not answer with an mpi:// handshake: is its address "
+            "an mpi:// address?"
+        )
+    try:
+        msg = json.loads(await stream.read_bytes(size))
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict):
+        raise FatalCommClosedError("the peer sent a malformed mpi:// handshake")
+    return msg
+
+
+def hello() -> dict:
+    return {
+        "protocol": PROTOCOL,
+        "process": mpi_startup.process_id(),
+        "library": mpi_startup.library(),
+        "world": mpi_startup.world(),
+        "beacon": beacon(),
+    }
+
+
+def incompatibility(peer: dict) -> str | None:
+    """Why a peer with this hello cannot talk to us over MPI, if it cannot"""
+    if peer.get("protocol") != PROTOCOL:
+        return (
+            f"peer speaks mpi:// protocol {peer.get('protocol')!r}, this process "
+            f"{PROTOCOL}: use the same version of distributed everywhere"
+        )
+    if peer.get("library") != mpi_startup.library():
+        return (
+            f"peer uses MPI library {peer.get('library')!r}, this process "
+            f"{mpi_startup.library()!r}: all processes of a cluster on mpi:// "
+            "must use the same MPI library"
+        )
+    if not isinstance(peer.get("process"), str):
+        return "peer did not say which process it is"
+    if (
+        mpi_startup.library().startswith("Open MPI")
+        and peer["process"] != mpi_startup.process_id()
+        and not same_world(peer)
+    ):
+        # It would hang in MPI_Comm_connect rather than fail
+        return (
+            "Open MPI cannot connect processes of different mpiexec jobs, nor "
+            "processes not started by mpiexec (a nanny's worker process is "
+            "not): start them all in one mpiexec job, workers with --no-nanny "
+            "(dask-mpi: --worker-class distributed.Worker), or use MPICH"
+        )
+    return None
+
+
+def same_world(peer: dict) -> bool:
+    """Whether the peer is another rank of this process's mpiexec job"""
+    mine, theirs = mpi_startup.world(), peer.get("world")
+    return mine is not None and theirs is not None and theirs[0] == mine[0]
+
+
+def peer_gone(stream) -> bool:
+    """Whether the peer closed the TCP connection, without reading from it"""
+    if stream.closed():
+        return True
+    try:
+        return stream.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
