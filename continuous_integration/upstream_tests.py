@@ -148,7 +148,7 @@ def summarize(results: dict[str, str], scheme: str, seconds: float) -> bool:
     print(f"\nupstream's suite on {scheme}://, {seconds / 60:.0f} min: ", end="")
     print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     known = expected_failures()
-    sections = ["stock"] + (["mpi"] if scheme == "mpi" else [])
+    sections = (["mpi"] if scheme == "mpi" else []) + ["stock"]
     failed = sorted(t for t, o in results.items() if o in ("failed", "error"))
     unexpected = []
     for test in failed:

@@ -5,6 +5,7 @@ Tests with peers in other processes are in test_mpi_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
@@ -47,6 +48,28 @@ async def echo(comm):
             await comm.write(await comm.read())
     except CommClosedError:
         pass
+
+
+@contextlib.asynccontextmanager
+async def echoing(address="mpi://127.0.0.1:0"):
+    """A comm to a listener that sends back every message; closed after"""
+    async with listen(address, echo) as listener:
+        comm = await connect(listener.contact_address)
+        yield comm
+        await comm.close()
+
+
+@contextlib.asynccontextmanager
+async def comm_pair():
+    """Both ends of a new comm: the connector's and the listener's"""
+    accepted = asyncio.get_running_loop().create_future()
+
+    async def accept(comm):
+        accepted.set_result(comm)
+
+    async with listen("mpi://127.0.0.1:0", accept) as listener:
+        comm = await connect(listener.contact_address)
+        yield comm, await accepted
 
 
 async def assert_serves(listener):
@@ -138,13 +161,11 @@ async def test_client_server_round_trips():
 
 @gen_test()
 async def test_many_messages_in_flight_keep_order():
-    async with listen("mpi://", echo) as listener:
-        comm = await connect(listener.contact_address)
+    async with echoing("mpi://") as comm:
         for i in range(200):
             await comm.write({"i": i, "pad": b"z" * (i * 1000)})
         for i in range(200):
             assert (await comm.read())["i"] == i
-        await comm.close()
 
 
 @gen_test()
@@ -181,14 +202,7 @@ async def test_comm_closed_implicit():
 
 @gen_test()
 async def test_comm_closed_explicit_and_peer_sees_it():
-    server_comm = asyncio.get_running_loop().create_future()
-
-    async def handle(comm):
-        server_comm.set_result(comm)
-
-    async with listen("mpi://127.0.0.1:0", handle) as listener:
-        comm = await connect(listener.contact_address)
-        peer = await server_comm
+    async with comm_pair() as (comm, peer):
         pending = asyncio.ensure_future(peer.read())
         await comm.write({"last": "message"})
         await comm.close()
@@ -205,8 +219,7 @@ async def test_comm_closed_explicit_and_peer_sees_it():
 
 @gen_test()
 async def test_abort_fails_pending_read():
-    async with listen("mpi://127.0.0.1:0", echo) as listener:
-        comm = await connect(listener.contact_address)
+    async with echoing() as comm:
         pending = asyncio.ensure_future(comm.read())
         await asyncio.sleep(0.05)
         comm.abort()
@@ -405,12 +418,10 @@ async def test_config_bounds_used():
             "distributed.comm.mpi.chunk-size": "1kiB",
         }
     ):
-        async with listen("mpi://127.0.0.1:0", echo) as listener:
-            comm = await connect(listener.contact_address)
+        async with echoing() as comm:
             payload = to_serialize(np.arange(10_000))
             await comm.write({"x": payload})
             np.testing.assert_array_equal((await comm.read())["x"], np.arange(10_000))
-            await comm.close()
 
 
 @gen_test()
@@ -436,16 +447,17 @@ async def test_connect_to_a_tcp_listener_fails_at_once():
 
 @gen_test()
 async def test_comm_dropped_without_close_is_collected():
-    """Like a tcp:// comm: collected, its connection closed, its peer told"""
-    server_comm = asyncio.get_running_loop().create_future()
+    """Like a tcp:// comm: collected, its connection closed, its peer told
+    (not with comm_pair(), which holds the comm)"""
+    accepted = asyncio.get_running_loop().create_future()
 
-    async def handle(comm):
-        server_comm.set_result(comm)
+    async def accept(comm):
+        accepted.set_result(comm)
 
-    async with listen("mpi://127.0.0.1:0", handle) as listener:
+    async with listen("mpi://127.0.0.1:0", accept) as listener:
         comm = await connect(listener.contact_address)
         await comm.write("last words")
-        peer = await server_comm
+        peer = await accepted
         assert await peer.read() == "last words"
         dropped = weakref.ref(comm)
         del comm
