@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scheme", choices=["tcp", "mpi"], default="tcp")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args(argv)
+    # Tests SIGINT the processes they start, which would inherit an ignored
+    # SIGINT from a shell's background job (``... &``): exec resets a handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_dir = ROOT / "build" / f"upstream-tests-{args.scheme}"
     prepare(args, run_dir)
     sys.exit(0 if run(args, run_dir) else 1)
