@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 import psutil
@@ -25,9 +26,11 @@ from distributed import Client
 
 
 def python_processes(job: subprocess.Popen) -> list[psutil.Process]:
+    """By executable, not by name: setproctitle renames dask's processes"""
     root = psutil.Process(job.pid)
     procs = [root, *root.children(recursive=True)]
-    return [p for p in procs if "python" in p.name()]
+    python = os.path.realpath(sys.executable)
+    return [p for p in procs if p.exe() == python]
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:
