@@ -319,6 +319,7 @@ class MPI(TCP):
 
     @property
     def state(self) -> State:
+        """Where this comm's messages travel now"""
         return self._state
 
     def closed(self):
