@@ -139,7 +139,9 @@ def reason(test: str, known: dict[str, str]) -> str | None:
     return None
 
 
-def summarize(results: dict[str, str], scheme: str, seconds: float) -> bool:
+def summarize(
+    results: dict[str, str], known: dict, scheme: str, seconds: float
+) -> bool:
     """Print counts and every failure with its expected reason; True if all
     failures are expected."""
     counts: dict[str, int] = {}
@@ -147,7 +149,6 @@ def summarize(results: dict[str, str], scheme: str, seconds: float) -> bool:
         counts[outcome] = counts.get(outcome, 0) + 1
     print(f"\nupstream's suite on {scheme}://, {seconds / 60:.0f} min: ", end="")
     print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    known = expected_failures()
     sections = (["mpi"] if scheme == "mpi" else []) + ["stock"]
     failed = sorted(t for t, o in results.items() if o in ("failed", "error"))
     unexpected = []
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> bool:
     env.pop("DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME", None)
     if args.scheme == "mpi":
         env["DASK_DISTRIBUTED__COMM__DEFAULT_SCHEME"] = "mpi"
-    deselect = [f"--deselect={t}" for t in expected_failures().get("deselect", {})]
+    known = expected_failures()
+    deselect = [f"--deselect={t}" for t in known.get("deselect", {})]
     cmd = [sys.executable, "-m", "pytest", "-c", "pyproject.toml", "-p", LEFTOVERS]
     cmd += ["-o", "timeout_method=signal", "-o", "junit_family=xunit1"]
     cmd += [f"--junitxml={junit}", "--color=no", *deselect]
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> bool:
             pass
     if not junit.exists():
         sys.exit(f"pytest wrote no results (exit code {proc.returncode})")
-    ok = summarize(outcomes(junit), args.scheme, time.monotonic() - start)
+    ok = summarize(outcomes(junit), known, args.scheme, time.monotonic() - start)
     if proc.returncode not in (0, 1):  # 1: tests failed
         print(f"pytest did not finish its run: exit code {proc.returncode}")
         return False

@@ -505,10 +505,14 @@ class MPI(TCP):
 
     # Reading and writing
 
-    async def read(self, deserializers=None):
+    async def _on_tcp(self) -> bool:
+        """Whether messages travel over TCP, once a move under way is done"""
         if self._state is State.MOVING:
             await self._moved
-        if self._state is State.ON_TCP:
+        return self._state is State.ON_TCP
+
+    async def read(self, deserializers=None):
+        if await self._on_tcp():
             return await super().read(deserializers)
         if self._state is State.CLOSED:
             raise CommClosedError(f"{self} is closed")
@@ -614,9 +618,7 @@ class MPI(TCP):
         return result
 
     async def write(self, msg, serializers=None, on_error="message"):
-        if self._state is State.MOVING:
-            await self._moved
-        if self._state is State.ON_TCP:
+        if await self._on_tcp():
             return await super().write(msg, serializers, on_error)
         if self._state is not State.ON_MPI:
             raise CommClosedError(f"{self} is closed")
@@ -636,9 +638,8 @@ class MPI(TCP):
                 None if self.handshake_options.get("compression") else 2**62
             ),
         )
-        # While the message was serialised:
-        if self._state is State.MOVING:
-            await self._moved
+        # The comm may have moved, or started to, while the message was serialised
+        if await self._on_tcp():
             return await super().write(msg, serializers, on_error)
         if self._state is not State.ON_MPI:
             raise CommClosedError(f"{self} is closed")
@@ -730,9 +731,7 @@ class MPI(TCP):
     async def close(self):
         """Close after the messages written so far: the peer reads them,
         then ``CommClosedError``"""
-        if self._state is State.MOVING:
-            await self._moved
-        if self._state is State.ON_TCP:
+        if await self._on_tcp():
             return await super().close()
         stream, self.stream = self.stream, None
         was_open = self._state is State.ON_MPI
