@@ -25,9 +25,12 @@ One Dask message is, on the sender's tag:
 - a head: flags (u8), three padding bytes, the number of frames (u32), how
   many messages the sender has read from the comm so far (u64), each frame's
   size (u64) and where it lives (u8: 0 host memory, 1 a GPU); the frames
-  follow inside the head when the whole message fits in
-  ``distributed.comm.mpi.inline-size``;
+  follow inside the head when they are all in host memory and the whole
+  message fits in ``distributed.comm.mpi.inline-size``;
 - otherwise one MPI message per ``chunk-size`` piece of each non-empty frame.
+
+Between two processes with a GPU, frames of GPU data stay on the GPU: see
+``distributed.comm.mpi_gpu``.
 
 A head with the CLOSE flag ends the stream.
 """
@@ -47,7 +50,8 @@ import dask
 from dask.utils import format_time, parse_bytes, parse_timedelta
 from tornado.iostream import StreamClosedError
 
-from distributed.comm import mpi_channel, mpi_handshake as handshake, mpi_startup
+from distributed.comm import mpi_channel, mpi_gpu, mpi_handshake as handshake
+from distributed.comm import mpi_startup
 from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import ACCEPTOR
@@ -99,24 +103,39 @@ def _weakly(method):
     return call
 
 
-def _pack(frames: list[memoryview], read: int, inline_size: int):
+def _pack(frames: list, read: int, inline_size: int):
     """A message's head, and the frames to send after it: none when they fit
-    in the head.  Every frame is in host memory (location 0): mpi:// comms
-    do not use distributed's "cuda" serializers yet"""
-    sizes = [frame.nbytes for frame in frames]
-    inline = _HEAD.size + 9 * len(frames) + sum(sizes) <= inline_size
+    in the head.  Frames are memoryviews, or device buffers (on a GPU)."""
+    sizes = [mpi_gpu.nbytes(frame) for frame in frames]
+    locations = bytes(map(mpi_gpu.location, frames))
+    inline = (
+        not any(locations) and _HEAD.size + 9 * len(frames) + sum(sizes) <= inline_size
+    )
     head = [
         _HEAD.pack(_INLINE if inline else 0, len(frames), read),
         struct.pack(f"<{len(sizes)}Q", *sizes),
-        bytes(len(frames)),
+        locations,
     ]
     if inline:
         return b"".join([*head, *frames]), []
     return b"".join(head), frames
 
 
-def _chunks(frame: memoryview, size: int) -> list[memoryview]:
+def _chunks(frame, size: int) -> list:
+    """``size`` pieces of a frame, for MPI: memoryviews, or views of a device
+    buffer that mpi4py passes on as device pointers"""
+    if mpi_gpu.is_device(frame):
+        return [
+            mpi_gpu.DeviceSlice(frame, offset, n)
+            for offset, n in mpi_gpu.pieces(mpi_gpu.nbytes(frame), size)
+        ]
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """A done-callback: nobody may await this future, should its comm fail"""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class State(enum.Enum):
@@ -144,6 +163,7 @@ class _Route(NamedTuple):
     sender: LocalPeer | None  # the peer, when it is on this host
     inline_size: int  # messages up to this size travel inside their head
     chunk_size: int  # larger frames travel in pieces of this size
+    gpu: str | None  # how device frames travel (mpi_gpu.path); None: not at all
 
 
 class _Ledger:
@@ -316,11 +336,18 @@ class MPI(TCP):
         self._moved: asyncio.Task | None = None  # finishes MOVING
         self._peer_moved: asyncio.Future | None = None  # what the peer read
         self._watcher: asyncio.Task | None = None  # follows the TCP connection
+        self._posting = asyncio.Lock()  # held while a message's sends are posted
 
     @property
     def state(self) -> State:
         """Where this comm's messages travel now"""
         return self._state
+
+    @property
+    def gpu_path(self) -> str | None:
+        """How GPU frames travel: "direct" (CUDA-aware MPI), "staged" (through
+        pinned host memory), or None: as host frames, one end has no GPU"""
+        return self._route and self._route.gpu
 
     def closed(self):
         if self._state in (State.OPENING, State.ON_TCP):
@@ -467,6 +494,7 @@ class MPI(TCP):
             parse_bytes(config("inline-size")),
             # Open MPI 5 has no large-count calls: keep each message below 2 GiB
             min(parse_bytes(config("chunk-size")), 2**31 - 1),
+            mpi_gpu.path(mpi_gpu.hello(get_mpi()), peer.get("gpu")),
         )
         self._state = State.ON_MPI
         self._peer_moved = asyncio.get_running_loop().create_future()
@@ -540,34 +568,27 @@ class MPI(TCP):
 
     async def _read_over_mpi(self) -> list:
         route, watch = self._route, self._stall_watch
-        channel, tag, engine, sender = (
-            route.channel,
-            route.recv_tag,
-            route.engine,
-            route.sender,
-        )
+        channel, engine = route.channel, route.engine
         watch.progress()
         try:
             message, nbytes = await self._await_read(
-                engine.probe(channel.comm, channel.rank, tag)
+                engine.probe(channel.comm, channel.rank, route.recv_tag)
             )
             watch.progress()
             self._check_sender()
             head = bytearray(nbytes)
             request = message.Irecv([head, get_mpi().BYTE])
-            await self._await_read(engine.transfer([request], head, sender))
+            await self._await_read(engine.transfer([request], head, route.sender))
 
             flags, nframes, read = _HEAD.unpack_from(head)
             self._ledger.peer_read(read)
             sizes = struct.unpack_from(f"<{nframes}Q", head, _HEAD.size)
             offset = _HEAD.size + 8 * nframes
+            locations = head[offset : offset + nframes]
+            offset += nframes
             if flags & _CLOSE:
                 self.abort()
                 raise CommClosedError(f"{self} closed by peer")
-            if any(head[offset : offset + nframes]):
-                self.abort()
-                raise CommClosedError(f"{self}: GPU frames are not supported yet")
-            offset += nframes
             if flags & _INLINE:
                 view = memoryview(head)
                 frames = []
@@ -575,16 +596,7 @@ class MPI(TCP):
                     frames.append(view[offset : offset + size])
                     offset += size
             else:
-                frames = [host_array(size) for size in sizes]
-                self._check_sender()
-                requests = [
-                    channel.comm.Irecv([chunk, get_mpi().BYTE], channel.rank, tag)
-                    for frame in frames
-                    for chunk in _chunks(frame, route.chunk_size)
-                ]
-                watch.receiving = requests
-                await self._await_read(engine.transfer(requests, frames, sender))
-                watch.receiving = []
+                frames = await self._read_frames(sizes, locations)
             self._ledger.read += 1
         except (CommClosedError, _MovedToTCP):
             raise
@@ -596,6 +608,60 @@ class MPI(TCP):
             self.abort()
             raise
         return frames
+
+    async def _read_frames(self, sizes, locations) -> list:
+        """Receive the frames of a message, whose head gave their sizes and
+        where they live, in order"""
+        route = self._route
+        if any(locations) and route.gpu is None:
+            self.abort()
+            raise CommClosedError(
+                f"{self}: the peer sent GPU frames, which this process cannot "
+                "hold (it has no GPU or no CuPy)"
+            )
+        frames = [
+            mpi_gpu.device_buffer(size) if where else host_array(size)
+            for size, where in zip(sizes, locations)
+        ]
+        if any(locations):
+            mpi_gpu.synchronize()  # the allocations, before anything writes
+        pending, chunks = [], []
+        for frame, where in zip(frames, locations):
+            if where and route.gpu == "staged":
+                if chunks:
+                    pending.append(self._post_recv(chunks))
+                    chunks = []
+                await mpi_gpu.recv_staged(
+                    frame,
+                    route.chunk_size,
+                    lambda slot: self._post_recv([slot]),
+                    self._await_read,
+                )
+            else:
+                chunks += _chunks(frame, route.chunk_size)
+        if chunks:
+            pending.append(self._post_recv(chunks))
+        for fut in pending:
+            await self._await_read(fut)
+        self._stall_watch.receiving = []
+        return frames
+
+    def _post_recv(self, chunks: list) -> asyncio.Future:
+        """Start receiving the next ``chunks`` of a message"""
+        self._check_sender()
+        route, MPI = self._route, get_mpi()
+        channel = route.channel
+        requests = [
+            channel.comm.Irecv([chunk, MPI.BYTE], channel.rank, route.recv_tag)
+            for chunk in chunks
+        ]
+        self._stall_watch.progress()
+        self._stall_watch.receiving = requests
+        fut = route.engine.transfer(requests, chunks, route.sender)
+        self._reads.add(fut)
+        fut.add_done_callback(self._reads.discard)
+        fut.add_done_callback(_retrieve)
+        return fut
 
     def _check_sender(self) -> None:
         """Before a receive, which may start to copy at once: the sender lives
@@ -625,7 +691,8 @@ class MPI(TCP):
         frames = await to_frames(
             msg,
             allow_offload=self.allow_offload,
-            serializers=serializers,
+            # Between two processes with a GPU, GPU data stays there
+            serializers=serializers or (self._route.gpu and mpi_gpu.SERIALIZERS),
             on_error=on_error,
             context={
                 "sender": self.local_info,
@@ -641,39 +708,73 @@ class MPI(TCP):
         # The comm may have moved, or started to, while the message was serialised
         if await self._on_tcp():
             return await super().write(msg, serializers, on_error)
-        if self._state is not State.ON_MPI:
-            raise CommClosedError(f"{self} is closed")
-        frames = [ensure_memoryview(frame) for frame in frames]
-        nbytes = sum(frame.nbytes for frame in frames)
-        route = self._route
-        head, frames = _pack(frames, self._ledger.read, route.inline_size)
-        channel, tag = route.channel, route.send_tag
-        MPI = get_mpi()
+        frames = [
+            frame if mpi_gpu.is_device(frame) else ensure_memoryview(frame)
+            for frame in frames
+        ]
+        nbytes = sum(map(mpi_gpu.nbytes, frames))
+        device = [frame for frame in frames if mpi_gpu.is_device(frame)]
+        if device:
+            mpi_gpu.synchronize(device)  # their producers are done
         try:
-            requests = [channel.comm.Isend([head, MPI.BYTE], channel.rank, tag)]
-            requests.extend(
-                channel.comm.Isend([chunk, MPI.BYTE], channel.rank, tag)
-                for frame in frames
-                for chunk in _chunks(frame, route.chunk_size)
-            )
-        except MPI.Exception as e:
+            async with self._posting:  # a staged frame posts as it goes
+                if self._state is not State.ON_MPI:
+                    raise CommClosedError(f"{self} is closed")
+                head, frames = _pack(frames, self._ledger.read, self._route.inline_size)
+                self._doorbell.told_read()
+                self._ledger.wrote(msg, serializers, on_error)
+                sends = await self._post_message(head, frames)
+        except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while writing: {e}") from e
+        except CommClosedError:
+            if await self._on_tcp():
+                return nbytes  # the move writes it again over TCP
+            raise
         # Like a TCP comm's write, return once the message is queued: waiting
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
-        self._doorbell.told_read()
-        self._ledger.wrote(msg, serializers, on_error)
-        sent = self._route.engine.transfer(requests, (head, frames))
-        if not sent.done():
-            self._writes.add(sent)
-            sent.add_done_callback(_weakly(self._sent))
+        sent = asyncio.gather(*sends)
+        sent.add_done_callback(_weakly(self._sent))
         self._doorbell.ring_until_sent(sent)
         return nbytes
 
+    async def _post_message(self, head: bytes, frames: list) -> list:
+        """Start sending a message's head and frames, in order; the futures
+        of their transfers"""
+        route = self._route
+        sends, chunks = [], [head]
+        for frame in frames:
+            if mpi_gpu.is_device(frame) and route.gpu == "staged":
+                if chunks:
+                    sends.append(self._post_send(chunks))
+                    chunks = []
+                sends += await mpi_gpu.send_staged(
+                    frame, route.chunk_size, lambda slot: self._post_send([slot])
+                )
+            else:
+                chunks += _chunks(frame, route.chunk_size)
+        if chunks:
+            sends.append(self._post_send(chunks))
+        return sends
+
+    def _post_send(self, chunks: list) -> asyncio.Future:
+        if self._state is not State.ON_MPI:
+            raise CommClosedError(f"{self} stopped sending over MPI")
+        route, MPI = self._route, get_mpi()
+        channel = route.channel
+        requests = [
+            channel.comm.Isend([chunk, MPI.BYTE], channel.rank, route.send_tag)
+            for chunk in chunks
+        ]
+        fut = route.engine.transfer(requests, chunks)
+        self._writes.add(fut)
+        fut.add_done_callback(self._writes.discard)
+        fut.add_done_callback(_retrieve)
+        return fut
+
     def _sent(self, fut) -> None:
-        self._writes.discard(fut)
-        failed = fut.exception() is not None  # also marks it as retrieved
+        failed = fut.cancelled() or fut.exception() is not None
         if failed and self._state is State.ON_MPI:
             self.abort()  # MPI failed to send: the stream is broken
 
@@ -733,6 +834,11 @@ class MPI(TCP):
         then ``CommClosedError``"""
         if await self._on_tcp():
             return await super().close()
+        if self._posting.locked():
+            # A frame staged through host memory is half-sent: a CLOSE head
+            # would land in one of its chunks.  Drop the message instead.
+            self.abort()
+            return
         stream, self.stream = self.stream, None
         was_open = self._state is State.ON_MPI
         self._state = State.CLOSED

@@ -2,8 +2,9 @@
 
 Each message is the magic ``DASK-MPI``, a length (u32) and that many bytes of
 JSON.  The connector says hello (who it is, which MPI library, which
-``mpiexec`` job and rank); the listener answers with its own hello and the
-channel and tags the comm will use, or with why the two cannot talk over MPI.
+``mpiexec`` job and rank, whether it has a GPU and a CUDA-aware MPI); the
+listener answers with its own hello and the channel and tags the comm will
+use, or with why the two cannot talk over MPI.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import socket
 import struct
 
-from distributed.comm import mpi_startup
+from distributed.comm import mpi_gpu, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi_liveness import beacon
 
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
 MAGIC = b"DASK-MPI"
-PROTOCOL = 3  # both ends must speak the same
+PROTOCOL = 4  # both ends must speak the same
 MAX_SIZE = 64 * 1024
 
 
@@ -70,6 +71,7 @@ def hello() -> dict:
         "library": mpi_startup.library(),
         "world": mpi_startup.world(),
         "beacon": beacon(),
+        "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 
 

@@ -2,7 +2,8 @@
 
 ``python -m distributed.comm.tests.mpi_peer serve FILE`` listens on mpi://,
 writes its address to FILE and echoes every message back, except
-``{"op": "sum", "x": array}`` which it answers with the array's sum.
+``{"op": "sum", "x": array}`` which it answers with the array's sum, and
+``{"op": "echo", "x": data}``, whose data it sends back with its type.
 
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips.
@@ -34,6 +35,10 @@ async def handle(comm):
             msg = await comm.read()
             if isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
+            elif isinstance(msg, dict) and msg.get("op") == "echo":
+                x = msg["x"]
+                kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+                msg = {"x": to_serialize(x), "type": kind}
             await comm.write(msg)
     except CommClosedError:
         pass

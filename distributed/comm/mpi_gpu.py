@@ -1,0 +1,266 @@
+"""GPU memory on mpi:// comms.
+
+distributed's ``"cuda"`` serializers keep CuPy, Numba, RMM and cuDF data on
+the GPU: their frames are device buffers (objects with
+``__cuda_array_interface__``).  An mpi:// comm between two processes that both
+have a GPU serializes with them first, as distributed-ucxx does, and sends each
+device frame one of two ways:
+
+- direct, when the MPI libraries of both ends are CUDA-aware: the device
+  buffers go to ``Isend``/``Irecv`` as they are (mpi4py passes their pointers
+  on), in ``chunk-size`` pieces like host frames;
+- staged, otherwise (no MPI from PyPI is CUDA-aware): each ``chunk-size``
+  piece is copied between the GPU and one of a few pinned host slots, on a
+  CUDA stream of its own, so that the copy of one piece overlaps the transfer
+  of the piece before.  Slots are allocated once per process and reused.
+
+A process without a GPU (or without CuPy) says so in the handshake and is sent
+host frames: what ``tcp://`` would send it.
+
+Run ``python -m distributed.comm.mpi_probe`` on a GPU node to see which way
+mpi:// will go there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import functools
+import importlib.util
+import math
+from collections.abc import Awaitable, Callable
+
+from distributed.comm.mpi_startup import config
+
+# Serializers of an mpi:// comm between two processes with a GPU
+SERIALIZERS = ("cuda", "dask", "pickle", "error")
+
+HOST, DEVICE = 0, 1  # where a frame lives: its location byte in a message head
+DEPTH = 4  # pinned slots per staged frame: chunks in flight at once
+
+
+def is_device(frame) -> bool:
+    return not isinstance(frame, (bytes, bytearray, memoryview)) and hasattr(
+        frame, "__cuda_array_interface__"
+    )
+
+
+def location(frame) -> int:
+    return DEVICE if is_device(frame) else HOST
+
+
+def nbytes(frame) -> int:
+    if not is_device(frame):
+        return memoryview(frame).nbytes
+    cai = frame.__cuda_array_interface__
+    return math.prod(cai["shape"]) * int(cai["typestr"][2:])
+
+
+def _pointer(frame) -> int:
+    return frame.__cuda_array_interface__["data"][0]
+
+
+class DeviceSlice:
+    """Bytes ``[offset, offset + size)`` of a contiguous device buffer, as an
+    object that mpi4py passes to MPI as a device pointer"""
+
+    def __init__(self, frame, offset: int, size: int):
+        self.owner = frame  # kept alive while MPI uses the slice
+        self.__cuda_array_interface__ = {
+            "data": (_pointer(frame) + offset, False),
+            "shape": (size,),
+            "typestr": "|u1",
+            "strides": None,
+            "version": 3,
+            "stream": None,  # synchronized before MPI sees it
+        }
+
+
+@functools.cache
+def has_gpu() -> bool:
+    """Whether this process can hold frames on a GPU: CuPy and a device.
+    Asks only when CuPy is installed: a CPU cluster never loads CUDA."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+def cuda_aware(MPI) -> tuple[bool, str]:
+    """Whether MPI can read and write GPU memory, and how that was decided"""
+    setting = config("cuda-aware")
+    if setting in (True, False):
+        return setting, f"distributed.comm.mpi.cuda-aware is {str(setting).lower()}"
+    if setting != "auto":
+        raise ValueError(
+            "distributed.comm.mpi.cuda-aware must be auto, true or false, "
+            f"not {setting!r}"
+        )
+    return _query_cuda_support(MPI)
+
+
+@functools.cache
+def _query_cuda_support(MPI) -> tuple[bool, str]:
+    library = ctypes.CDLL(MPI.__file__)  # its symbols include the MPI library's
+    vendor = MPI.get_vendor()[0]
+    if hasattr(library, "MPIX_GPU_query_support"):  # MPICH 4.1 and later
+        supported = ctypes.c_int(0)
+        if library.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:
+            return bool(supported.value), "MPIX_GPU_query_support(CUDA)"
+    # Open MPI's query; older MPICH asserts in its own
+    if vendor == "Open MPI" and hasattr(library, "MPIX_Query_cuda_support"):
+        return bool(library.MPIX_Query_cuda_support()), "MPIX_Query_cuda_support()"
+    return False, f"{vendor} has no query for CUDA support: taken as not CUDA-aware"
+
+
+def hello(MPI) -> dict | None:
+    """What this process says of its GPU in the handshake: None without one"""
+    return {"cuda_aware": cuda_aware(MPI)[0]} if has_gpu() else None
+
+
+def path(mine: dict | None, theirs: dict | None) -> str | None:
+    """How device frames travel between two processes, which both ends work
+    out alike: None (host frames only: one of them has no GPU), "direct" or
+    "staged" """
+    if not (mine and theirs):
+        return None
+    return "direct" if mine["cuda_aware"] and theirs["cuda_aware"] else "staged"
+
+
+def device_buffer(size: int):
+    """An uninitialized device frame to receive into: an ``rmm.DeviceBuffer``
+    when RMM is installed (distributed's RMM deserializer requires one), else
+    a CuPy array of bytes"""
+    if importlib.util.find_spec("rmm") is not None:
+        import rmm
+
+        return rmm.DeviceBuffer(size=size)
+    import cupy
+
+    return cupy.empty(size, dtype="u1")
+
+
+def synchronize(frames=()) -> None:
+    """Wait for the GPU work that writes ``frames``, or that allocated them:
+    MPI and copies on another stream would not.  The legacy default stream
+    waits for the blocking streams, as distributed-ucxx relies on too."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    runtime.streamSynchronize(0)
+    for frame in frames:
+        stream = frame.__cuda_array_interface__.get("stream")
+        if stream not in (None, 0, 1, 2):  # a stream of its own
+            runtime.streamSynchronize(stream)
+
+
+def pieces(size: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The (offset, size) of each chunk of a frame of ``size`` bytes"""
+    return [(i, min(chunk_size, size - i)) for i in range(0, size, chunk_size)]
+
+
+class _Stager:
+    """This process's pinned host slots and copy stream.  A staged frame
+    takes ``DEPTH`` slots and gives them back once its transfers are done;
+    the pool grows to the most frames ever staged at once, and never makes a
+    frame wait for a slot (so transfers cannot wait on each other through it).
+    """
+
+    def __init__(self):
+        import cupy
+
+        self._cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._free: dict[int, list] = collections.defaultdict(list)  # by size
+
+    def take(self, size: int) -> list:
+        """``DEPTH`` pinned buffers (NumPy arrays) of ``size`` bytes"""
+        import numpy
+
+        free = self._free[size]
+        while len(free) < DEPTH:
+            memory = self._cupy.cuda.alloc_pinned_memory(size)
+            free.append(numpy.frombuffer(memory, "u1", size))  # holds memory
+        slots, self._free[size] = free[:DEPTH], free[DEPTH:]
+        return slots
+
+    def give_back(self, slots: list) -> None:
+        self._free[slots[0].nbytes].extend(slots)
+
+    async def copy(self, dst: int, src: int, size: int, kind: int) -> None:
+        """Copy on the stager's stream; return once it is done"""
+        self._cupy.cuda.runtime.memcpyAsync(dst, src, size, kind, self.stream.ptr)
+        done = self._cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(self.stream)
+        # A chunk copies in tens of microseconds: poll, and let the progress
+        # engine test the transfers in flight meanwhile
+        polls = 0
+        while not done.done:
+            await asyncio.sleep(0 if polls < 1000 else 1e-4)
+            polls += 1
+
+
+@functools.cache
+def _stager() -> _Stager:
+    return _Stager()
+
+
+async def send_staged(
+    frame, chunk_size: int, post: Callable[[object], asyncio.Future]
+) -> list[asyncio.Future]:
+    """Send the device ``frame`` through pinned slots: ``post(buffer)`` starts
+    the transfer of one chunk.  Returns the transfers' futures once the last
+    chunk is posted; the slots are reused once the last ones are sent."""
+    chunks = pieces(nbytes(frame), chunk_size)
+    if not chunks:
+        return []
+    stager = _stager()
+    slots = stager.take(chunk_size)
+    d2h = stager._cupy.cuda.runtime.memcpyDeviceToHost
+    source = _pointer(frame)
+    sent: list[asyncio.Future] = []
+    for i, (offset, size) in enumerate(chunks):
+        slot = slots[i % DEPTH]
+        if i >= DEPTH:
+            await sent[i - DEPTH]  # the slot is free again
+        await stager.copy(slot.ctypes.data, source + offset, size, d2h)
+        sent.append(post(slot[:size]))
+
+    def reuse(last: asyncio.Future) -> None:
+        if not last.cancelled() and last.exception() is None:
+            stager.give_back(slots)  # else MPI may still read them: drop them
+
+    asyncio.gather(*sent[-DEPTH:]).add_done_callback(reuse)
+    return sent
+
+
+async def recv_staged(
+    frame,
+    chunk_size: int,
+    post: Callable[[object], asyncio.Future],
+    wait: Callable[[asyncio.Future], Awaitable],
+) -> None:
+    """Receive into the device ``frame`` through pinned slots: ``post(buffer)``
+    starts the receive of one chunk, ``wait(future)`` waits for it"""
+    chunks = pieces(nbytes(frame), chunk_size)
+    if not chunks:
+        return
+    stager = _stager()
+    slots = stager.take(chunk_size)
+    h2d = stager._cupy.cuda.runtime.memcpyHostToDevice
+    target = _pointer(frame)
+    posted = collections.deque(
+        post(slots[i][:size]) for i, (_, size) in enumerate(chunks[:DEPTH])
+    )
+    for i, (offset, size) in enumerate(chunks):
+        slot = slots[i % DEPTH]
+        await wait(posted.popleft())
+        await stager.copy(target + offset, slot.ctypes.data, size, h2d)
+        if i + DEPTH < len(chunks):  # the slot is free again
+            posted.append(post(slot[: chunks[i + DEPTH][1]]))
+    stager.give_back(slots)

@@ -1,0 +1,248 @@
+"""GPU data on mpi:// comms (distributed.comm.mpi_gpu).
+
+Tests marked ``gpu`` need CuPy and a CUDA device, and skip without them; the
+others run everywhere, and check what can be checked without a GPU: the
+CUDA-aware query against a real MPI, its setting, the probe, and a process
+without a GPU refusing device frames clearly."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mpi4py")
+np = pytest.importorskip("numpy")
+
+import dask
+
+from distributed import Client, LocalCluster
+from distributed.comm import CommClosedError, connect, mpi_gpu, mpi_startup
+from distributed.comm.mpi import _HEAD, State
+from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
+from distributed.comm.tests.test_mpi import comm_pair
+from distributed.protocol import to_serialize
+from distributed.utils_test import gen_test
+
+gpu = pytest.mark.skipif(not mpi_gpu.has_gpu(), reason="needs CuPy and a GPU")
+
+
+@gen_test()
+async def test_cuda_aware_is_asked_of_mpi():
+    MPI = await mpi_startup.mpi_ready()
+    aware, why = mpi_gpu.cuda_aware(MPI)
+    if MPI.get_vendor()[0] == "MPICH" and "mpich" in MPI.__file__:
+        # MPICH from PyPI, as in CI: built without CUDA, and says so
+        assert (aware, why) == (False, "MPIX_GPU_query_support(CUDA)")
+    assert isinstance(aware, bool)
+
+
+@gen_test()
+async def test_cuda_aware_setting_overrides_the_query():
+    MPI = await mpi_startup.mpi_ready()
+    with dask.config.set({"distributed.comm.mpi.cuda-aware": True}):
+        assert mpi_gpu.cuda_aware(MPI) == (
+            True,
+            "distributed.comm.mpi.cuda-aware is true",
+        )
+    with dask.config.set({"distributed.comm.mpi.cuda-aware": False}):
+        assert mpi_gpu.cuda_aware(MPI)[0] is False
+    with dask.config.set({"distributed.comm.mpi.cuda-aware": "maybe"}):
+        with pytest.raises(ValueError, match="auto, true or false, not 'maybe'"):
+            mpi_gpu.cuda_aware(MPI)
+
+
+@pytest.mark.parametrize(
+    "mine,theirs,path",
+    [
+        (None, None, None),
+        ({"cuda_aware": True}, None, None),
+        (None, {"cuda_aware": False}, None),
+        ({"cuda_aware": False}, {"cuda_aware": True}, "staged"),
+        ({"cuda_aware": True}, {"cuda_aware": True}, "direct"),
+    ],
+)
+def test_both_ends_work_out_one_path(mine, theirs, path):
+    assert mpi_gpu.path(mine, theirs) == mpi_gpu.path(theirs, mine) == path
+
+
+def test_probe_says_what_mpi_will_do():
+    out = subprocess.run(
+        [sys.executable, "-m", "distributed.comm.mpi_probe"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = dict(line.split(":", 1) for line in out.splitlines())
+    assert set(rows) == {
+        "CUDA devices",
+        "CuPy",
+        "RMM",
+        "Numba",
+        "MPI library",
+        "CUDA-aware MPI",
+        "GPU frames",
+    }
+    assert rows["MPI library"].strip().startswith(mpi_startup.library())
+    if not mpi_gpu.has_gpu():
+        assert "as host frames" in rows["GPU frames"]
+
+
+@gen_test()
+async def test_device_slices_reach_mpi_as_pointers():
+    """A chunk of a device frame goes to MPI as a pointer and size; here the
+    'device' memory is host memory, which MPI, not CUDA-aware, reads as is"""
+    MPI = await mpi_startup.mpi_ready()
+
+    class Buffer:  # host memory, exposed as CuPy exposes device memory
+        def __init__(self, array):
+            self.array = array
+            self.__cuda_array_interface__ = {
+                "data": (array.ctypes.data, False),
+                "shape": (array.nbytes,),
+                "typestr": "|u1",
+                "version": 3,
+            }
+
+    source = Buffer(np.arange(100, dtype="u1"))
+    target = Buffer(np.zeros(100, dtype="u1"))
+    assert mpi_gpu.is_device(source) and mpi_gpu.nbytes(source) == 100
+    comm = MPI.COMM_SELF
+    for offset, size in mpi_gpu.pieces(100, 30):
+        request = comm.Irecv([mpi_gpu.DeviceSlice(target, offset, size), MPI.BYTE])
+        comm.Send([mpi_gpu.DeviceSlice(source, offset, size), MPI.BYTE], 0)
+        request.Wait()
+    assert (target.array == source.array).all()
+
+
+@pytest.mark.skipif(mpi_gpu.has_gpu(), reason="needs a process without a GPU")
+@gen_test()
+async def test_device_frames_to_a_process_without_gpu_fail_clearly():
+    async with comm_pair() as (a, b):
+        assert a.gpu_path is b.gpu_path is None  # neither end has a GPU
+        # What a peer with a GPU would send, were it to ignore the handshake:
+        # one device frame of 8 bytes
+        head = _HEAD.pack(0, 1, 0) + struct.pack("<Q", 8) + bytes([mpi_gpu.DEVICE])
+        route = a._route
+        sent = route.channel.comm.Isend(head, route.channel.rank, route.send_tag)
+        with pytest.raises(CommClosedError, match="GPU frames, which this process"):
+            await b.read()
+        sent.Wait()
+        assert b.state is State.CLOSED
+        await a.close()
+
+
+# With a GPU
+
+
+def sizes() -> list[int]:
+    """0 B to 2.5 GB, with chunk and slot boundaries, unless the GPU is small"""
+    sizes = [0, 1, 1000, 2**20 - 1, 2**20, 2**20 + 1, 5 * 2**20 + 3, 2**28]
+    if os.environ.get("MPI4DASK_GPU_LARGE", "1") == "1":
+        sizes.append(2_500_000_000)
+    return sizes
+
+
+@gpu
+@gen_test(timeout=600)
+async def test_cupy_arrays_between_two_processes(tmp_path):
+    import cupy
+
+    path = str(tmp_path / "address")
+    with mpiexec(
+        ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
+    ) as job:
+        comm = await connect(wait_for_file(path, job))
+        assert comm.gpu_path in ("staged", "direct")
+        for size in sizes():
+            x = cupy.random.randint(0, 255, size=size, dtype="u1")
+            await comm.write({"op": "echo", "x": to_serialize(x)})
+            reply = await comm.read()
+            assert reply["type"] == "cupy.ndarray"  # on the device over there
+            y = reply["x"]
+            assert isinstance(y, cupy.ndarray) and y.shape == x.shape
+            assert bool((y == x).all())
+            del x, y, reply
+        # Not contiguous, and in a message with host frames
+        x = cupy.arange(10**6, dtype="f8").reshape(1000, 1000)[::2, ::3]
+        await comm.write(
+            {"op": "echo", "x": to_serialize([x, np.arange(10**6), b"bytes"])}
+        )
+        y, host, raw = (await comm.read())["x"]
+        assert isinstance(y, cupy.ndarray) and bool((y == x).all())
+        assert isinstance(host, np.ndarray) and (host == np.arange(10**6)).all()
+        assert raw == b"bytes"
+        await comm.close()
+
+
+@gpu
+@gen_test(timeout=120)
+async def test_numba_device_array_between_two_processes(tmp_path):
+    numba_cuda = pytest.importorskip("numba.cuda")
+    path = str(tmp_path / "address")
+    with mpiexec(
+        ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
+    ) as job:
+        comm = await connect(wait_for_file(path, job))
+        x = numba_cuda.to_device(np.arange(3 * 2**20, dtype="i4"))
+        await comm.write({"op": "echo", "x": to_serialize(x)})
+        reply = await comm.read()
+        assert numba_cuda.is_cuda_array(reply["x"])
+        assert (reply["x"].copy_to_host() == np.arange(3 * 2**20)).all()
+        await comm.close()
+
+
+@gpu
+@gen_test(timeout=120)
+async def test_rmm_buffer_between_two_processes(tmp_path):
+    rmm = pytest.importorskip("rmm")
+    path = str(tmp_path / "address")
+    with mpiexec(
+        ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
+    ) as job:
+        comm = await connect(wait_for_file(path, job))
+        data = np.arange(2**20, dtype="u1")
+        x = rmm.DeviceBuffer.to_device(data.tobytes())
+        await comm.write({"op": "echo", "x": to_serialize(x)})
+        y = (await comm.read())["x"]
+        assert isinstance(y, rmm.DeviceBuffer)
+        assert bytes(y.tobytes()) == data.tobytes()
+        await comm.close()
+
+
+@gpu
+def test_cupy_dask_array_on_a_cluster():
+    """Workers in processes of their own, data moving between them on mpi://,
+    against the same computation on one GPU"""
+    import cupy
+    import dask.array as da
+
+    x = da.from_array(cupy.random.random((4000, 4000)), chunks=1000)
+    expected_sum = float((x + x.T).sum().compute(scheduler="sync"))
+    expected_dot = (x @ x.T).compute(scheduler="sync")
+    with LocalCluster(
+        protocol="mpi", n_workers=2, threads_per_worker=1, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        x = x.persist()
+        total = client.compute((x + x.T).sum()).result()
+        dot = client.compute(x @ x.T).result()
+        assert isinstance(total, cupy.ndarray) and isinstance(dot, cupy.ndarray)
+        assert np.isclose(float(total), expected_sum)
+        assert bool(cupy.allclose(dot, expected_dot))
+        # Data moved between the workers, on the device
+        moved = client.run(
+            lambda dask_worker: dask_worker.state.transfer_incoming_count_total
+        )
+        assert sum(moved.values()) > 0
+        paths = client.run(
+            lambda dask_worker: {
+                comm.gpu_path
+                for comms in dask_worker.rpc.available.values()
+                for comm in comms
+            }
+        )
+        assert set().union(*paths.values()) & {"staged", "direct"}
