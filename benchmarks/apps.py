@@ -98,12 +98,15 @@ def cpu_seconds(client: Client) -> float:
     return sum(client.run(used).values()) + client.run_on_scheduler(used)
 
 
-def run_protocol(protocol: str, workers: int, quick: bool, repeat: int) -> dict:
+def run_protocol(
+    protocol: str, workers: int, quick: bool, repeat: int, suite: dict | None = None
+) -> dict:
+    """Median figures of each of ``suite`` (default: :func:`benchmarks`)"""
     results = {}
     with cluster(protocol, workers, "--memory-limit", "0") as (sched_file, _):
         with Client(scheduler_file=sched_file, timeout=60) as client:
             client.wait_for_workers(workers, timeout=60)
-            for name, (make, *args) in benchmarks(quick).items():
+            for name, (make, *args) in (suite or benchmarks(quick)).items():
                 times, moved, count, cpu = [], [], [], []
                 for _ in range(repeat):
                     graph = make(*args)

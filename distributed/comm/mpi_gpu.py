@@ -94,6 +94,8 @@ def has_gpu() -> bool:
 def cuda_aware(MPI) -> tuple[bool, str]:
     """Whether MPI can read and write GPU memory, and how that was decided"""
     setting = config("cuda-aware")
+    if isinstance(setting, str):  # from an environment variable, say
+        setting = {"true": True, "false": False}.get(setting.lower(), setting)
     if setting in (True, False):
         return setting, f"distributed.comm.mpi.cuda-aware is {str(setting).lower()}"
     if setting != "auto":

@@ -9,8 +9,10 @@ process manager of a job of one with a name of its own; MPICH then connects
 it to other processes as it would a job started with ``mpiexec -n 1``.
 
 MPICH asks its process manager only in MPI_Init and MPI_Finalize, so the
-thread serves only while those run: a thread that lived as long as the
-process would count as leaked in the first test to use ``mpi://``.
+thread serves only while MPI_Init runs: a thread that lived as long as the
+process would count as leaked in the first test to use ``mpi://``.  What
+MPI_Finalize asks (a barrier, then finalize from a C exit handler) is
+answered in advance: Python 3.12 starts no thread at exit.
 
 A process inherits its parent's process manager variables, which name a
 connection that is not its own, when a rank of an ``mpiexec`` job starts it
@@ -34,7 +36,7 @@ _USER = "DASK_MPI_PMI_USER"
 
 _server: socket.socket | None = None  # this process's end, when it serves
 _serving: threading.Thread | None = None
-_stop = threading.Event()
+_stop = threading.Event()  # set once MPI_Init returned
 _job = ""
 _kvs: dict[str, str] = {"PMI_process_mapping": "(vector,(0,1,1))"}
 
@@ -66,7 +68,7 @@ def _has_process_manager() -> bool:
 
 
 def initialized() -> None:
-    """Call once MPI_Init returned: stop serving until MPI_Finalize"""
+    """Call once MPI_Init returned: stop serving"""
     global _serving
     if _serving is not None:
         _stop.set()
@@ -75,21 +77,16 @@ def initialized() -> None:
 
 
 def finalizing() -> None:
-    """Call before MPI_Finalize, which waits in a barrier: serve again"""
-    global _serving
-    if _server is not None and _serving is None:
-        _stop.clear()
-        _serving = threading.Thread(
-            target=_serve, name="MPI-process-manager", daemon=True
-        )
-        _serving.start()
+    """Call before MPI_Finalize, which waits in a barrier: answer it"""
+    if _server is not None:
+        with contextlib.suppress(OSError):
+            _server.sendall(b"cmd=barrier_out rc=0\n")
 
 
 def finalized() -> None:
     """Call after MPI_Finalize.  MPICH sends its last request, finalize,
     from a C exit handler, once Python has stopped every thread: answer it
     in advance."""
-    initialized()
     if _server is not None:
         with contextlib.suppress(OSError):
             _server.sendall(b"cmd=finalize_ack rc=0\n")
@@ -102,11 +99,13 @@ def _serve_self() -> None:
     _server = ours
     _job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
-    finalizing()  # MPI_Init asks the same way
+    global _serving
+    _serving = threading.Thread(target=_serve, name="MPI-process-manager", daemon=True)
+    _serving.start()
 
 
 def _serve() -> None:
-    """Answer the PMI-1 requests of MPI_Init and MPI_Finalize until stopped"""
+    """Answer the PMI-1 requests of MPI_Init until stopped"""
     replies = {
         "init": "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1",
         "get_maxes": "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024",

@@ -50,6 +50,9 @@ async def test_cuda_aware_setting_overrides_the_query():
         )
     with dask.config.set({"distributed.comm.mpi.cuda-aware": False}):
         assert mpi_gpu.cuda_aware(MPI)[0] is False
+    # DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE=true
+    with dask.config.set({"distributed.comm.mpi.cuda-aware": "true"}):
+        assert mpi_gpu.cuda_aware(MPI)[0] is True
     with dask.config.set({"distributed.comm.mpi.cuda-aware": "maybe"}):
         with pytest.raises(ValueError, match="auto, true or false, not 'maybe'"):
             mpi_gpu.cuda_aware(MPI)

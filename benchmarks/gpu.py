@@ -1,0 +1,233 @@
+"""GPU benchmarks: CuPy payloads over tcp:// and mpi:// (staged, and direct
+where the MPI library is CUDA-aware), on a machine with a GPU.
+
+    python benchmarks/gpu.py [--quick] [--out benchmarks/results]
+    python benchmarks/gpu.py --plot gpu.json
+
+- ping-pong: a CuPy array of 1 B to 1 GiB, echoed as device frames by a server
+  process (``deserialize=False``), timed through distributed's comm API;
+- apps: transpose-sum and dot of dask arrays of CuPy chunks, on a scheduler
+  and two workers in processes of their own (as ``benchmarks/apps.py``).
+
+"mpi:// direct" is measured only when ``python -m distributed.comm.mpi_probe``
+says MPI is CUDA-aware; otherwise the JSON says why not. Writes
+``gpu.json`` and ``gpu.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import apps
+from pingpong import versions
+from processes import kill, launch, wait_for_file
+
+HERE = os.path.abspath(__file__)
+PINGPONG = os.path.join(os.path.dirname(HERE), "pingpong.py")
+
+
+def sizes(quick: bool) -> list[int]:
+    top = 2**28 if quick else 2**30
+    return sorted({4**k for k in range(16) if 4**k <= top} | {top})
+
+
+def repetitions(size: int, quick: bool) -> int:
+    n = 200 if size <= 2**16 else max(5, 2**28 // size)
+    return max(3, n // 4) if quick else n
+
+
+async def client(address: str, quick: bool) -> dict:
+    import cupy
+
+    from distributed.comm import connect
+    from distributed.protocol import to_serialize
+
+    comm = await connect(address)
+    results = {"gpu_path": getattr(comm, "gpu_path", None)}
+
+    async def timed(msg, n):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await comm.write(msg)
+            reply = await comm.read()
+            times.append((time.perf_counter() - start) / 2)
+        assert isinstance(reply["x"], cupy.ndarray), type(reply["x"])
+        return statistics.median(times)
+
+    for size in sizes(quick):
+        msg = {"x": to_serialize(cupy.ones(size, dtype="u1"))}
+        await timed(msg, 2)
+        results[size] = await timed(msg, repetitions(size, quick))
+    await comm.close()
+    return results
+
+
+def pingpong(protocol: str, quick: bool) -> dict:
+    mpi = protocol == "mpi"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "address")
+        server = launch([PINGPONG, "serve", protocol, path], mpi)
+        try:
+            address = wait_for_file(path, server)
+            args = [HERE, "client", address] + (["--quick"] if quick else [])
+            client_proc = launch(args, mpi, stdout=subprocess.PIPE, text=True)
+            stdout, _ = client_proc.communicate(timeout=1800)
+            return json.loads(stdout.strip().splitlines()[-1])
+        finally:
+            kill(server)
+
+
+def transpose_sum(n: int, chunk: int):
+    import cupy
+    import dask.array as da
+
+    rs = da.random.RandomState(RandomState=cupy.random.RandomState)
+    x = rs.random((n, n), chunks=chunk)
+    return (x + x.T).sum()
+
+
+def dot(n: int, chunk: int):
+    import cupy
+    import dask.array as da
+
+    rs = da.random.RandomState(RandomState=cupy.random.RandomState)
+    a = rs.random((n, n), chunks=chunk)
+    b = rs.random((n, n), chunks=chunk)
+    return a.dot(b).sum()
+
+
+def suite(quick: bool) -> dict:
+    if quick:
+        return {"transpose_sum": (transpose_sum, 10000, 2500), "dot": (dot, 4000, 1000)}
+    return {"transpose_sum": (transpose_sum, 20000, 2500), "dot": (dot, 8000, 2000)}
+
+
+def cuda_aware() -> tuple[bool, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "distributed.comm.mpi_probe"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    rows = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    line = rows.get("CUDA-aware MPI", " no: the probe failed").strip()
+    return line.startswith("yes"), line
+
+
+@contextlib.contextmanager
+def direct():
+    """mpi:// told that MPI is CUDA-aware, in every process started meanwhile"""
+    key = "DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE"
+    os.environ[key] = "true"
+    try:
+        yield
+    finally:
+        del os.environ[key]
+
+
+def plot(results: dict, out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (lat, bw, app) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, figures in results["pingpong"].items():
+        xs = sorted(int(k) for k in figures if k.isdigit())
+        ys = [figures[str(x)] for x in xs]
+        lat.loglog(xs, [y * 1e6 for y in ys], marker="o", label=name)
+        bw.semilogx(xs, [x / y / 1e9 for x, y in zip(xs, ys)], marker="o", label=name)
+    lat.set(xlabel="CuPy array size (bytes)", ylabel="one-way latency (us, median)")
+    bw.set(xlabel="CuPy array size (bytes)", ylabel="bandwidth (GB/s)")
+    names = list(results["apps"])
+    benches = list(results["apps"][names[0]])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        walls = [results["apps"][name][b]["wall_time"] for b in benches]
+        app.bar([j + i * width for j in range(len(benches))], walls, width, label=name)
+    app.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(benches))])
+    app.set_xticklabels(benches)
+    app.set_ylabel("wall time (s, median)")
+    for ax in (lat, bw, app):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"GPU data, {results['gpu']}, {results['machine']['mpi_library']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "gpu.png"), dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
+    parser.add_argument("--plot", metavar="JSON", help="only plot a run's results")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.dirname(os.path.abspath(args.plot)))
+        return
+    repeat = args.repeat or (1 if args.quick else 3)
+    os.makedirs(args.out, exist_ok=True)
+
+    import cupy
+
+    aware, why = cuda_aware()
+    results = {
+        "machine": versions(),
+        "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "cupy": cupy.__version__,
+        "cuda_aware": why,
+        "quick": args.quick,
+        "pingpong": {},
+        "apps": {},
+    }
+    variants = [("tcp://", "tcp", contextlib.nullcontext)]
+    variants.append(("mpi:// staged", "mpi", contextlib.nullcontext))
+    if aware:
+        variants.append(("mpi:// direct", "mpi", direct))
+    for name, protocol, setting in variants:
+        print(name, file=sys.stderr)
+        with setting():
+            results["pingpong"][name] = pingpong(protocol, args.quick)
+            results["apps"][name] = apps.run_protocol(
+                protocol, 2, args.quick, repeat, suite(args.quick)
+            )
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out)
+    summarize(results)
+
+
+def summarize(results: dict) -> None:
+    p = results["pingpong"]
+    names = list(p)
+    print("size".rjust(12), *(n.rjust(16) for n in names), "staged/tcp".rjust(11))
+    for key in (k for k in p["tcp://"] if k.isdigit()):
+        cells = [f"{p[n][key] * 1e6:14.1f}us" for n in names]
+        ratio = p["mpi:// staged"][key] / p["tcp://"][key]
+        print(key.rjust(12), *cells, f"{ratio:11.2f}")
+    for bench in results["apps"]["tcp://"]:
+        walls = {n: results["apps"][n][bench]["wall_time"] for n in results["apps"]}
+        print(f"{bench:15s}", *(f"{n} {w:.2f}s" for n, w in walls.items()))
+    print("CUDA-aware MPI:", results["cuda_aware"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        result = asyncio.run(client(sys.argv[2], "--quick" in sys.argv))
+        print(json.dumps(result), flush=True)
+    else:
+        main()

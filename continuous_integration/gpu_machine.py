@@ -1,0 +1,127 @@
+"""Run the GPU tests and benchmarks on a machine with a GPU and no network.
+
+Such a machine (the device tool's) has Python 3.12, CuPy, Numba and mpi4py,
+but not dask, this project, or perhaps an MPI library. Here, with network:
+
+    python continuous_integration/gpu_machine.py bundle
+
+puts into ``build/gpu-bundle/`` (about 25 MB) the materialized package with its
+tests, the benchmarks, and wheels for Python 3.12 of everything else, MPICH
+and mpi4py included. There, from the repository root, with ``build/gpu-bundle``
+carried:
+
+    bash build/gpu-bundle/run.sh test     # $OUT: a folder to fill
+    bash build/gpu-bundle/run.sh bench
+
+installs the wheels (once) into a virtual environment that sees the machine's
+own packages (CuPy, Numba) after its own, then prints the probe
+(``distributed.comm.mpi_probe``) and runs the GPU tests, or runs
+``benchmarks/gpu.py``; logs, ``probe.txt``, test output and ``gpu.json`` go
+to ``$OUT``. ``python benchmarks/gpu.py --plot gpu.json`` draws the plot here
+afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLE = ROOT / "build" / "gpu-bundle"
+PYTHON = "3.12"
+# Beside distributed's own dependencies (read from the built wheel)
+EXTRA = ["mpich", "mpi4py", "numpy", "pytest", "pytest-timeout"]
+
+RUN = r"""#!/usr/bin/env bash
+# Written by continuous_integration/gpu_machine.py: see there.
+# bash run.sh test: set up, probe, GPU tests; bash run.sh bench: the benchmark.
+# Each fits in one device call (10 minutes); set MPI4DASK_GPU_LARGE=0 to leave
+# out the 2.5 GB array, GPU_BENCH_ARGS (default --quick) for the benchmark.
+set -uo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+OUT="${OUT:-$HERE/out}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run-${1:-test}.log") 2>&1
+cd "$HERE"
+if [ ! -e .venv/ready ]; then
+    nvidia-smi || true
+    # A virtual environment that sees the machine's packages (CuPy, Numba, its
+    # mpi4py) after its own: what the machine lacks comes from the wheels
+    MACHINE_SITE="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    python3 -m venv .venv
+    . .venv/bin/activate
+    echo "$MACHINE_SITE" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine.pth"
+    pip install -q --no-index --find-links wheels wheels/distributed-*.whl mpich \
+        pytest pytest-timeout
+    python -c "import mpi4py; print('mpi4py', mpi4py.__version__, mpi4py.__file__)"
+    if ! timeout 60 python -c "from mpi4py import MPI; print(MPI.Get_library_version())"; then
+        echo "the machine's mpi4py does not start with MPICH: mpi4py from the wheels"
+        pip install -q --no-index --find-links wheels --force-reinstall --no-deps mpi4py
+    fi
+    touch .venv/ready
+fi
+. .venv/bin/activate
+# The package under test is the bundle's copy (with its tests), not the wheel's
+export PYTHONPATH="$HERE"
+which mpiexec
+if [ "${1:-test}" = test ]; then
+    timeout 120 python -m distributed.comm.mpi_probe | tee "$OUT/probe.txt"
+    timeout 420 python -m pytest -v -rs -p no:cacheprovider \
+        distributed/comm/tests/test_mpi_gpu.py 2>&1 | tee "$OUT/test_mpi_gpu.txt"
+else
+    cd benchmarks && timeout 540 python gpu.py ${GPU_BENCH_ARGS:---quick} --out "$OUT"
+fi
+"""
+
+
+def bundle() -> None:
+    if BUNDLE.exists():
+        shutil.rmtree(BUNDLE)
+    wheels = BUNDLE / "wheels"
+    wheels.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip"]
+    # This project, as the machine's pip would install it: a pure-Python wheel
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", wheels, ROOT], check=True)
+    (wheel,) = wheels.glob("distributed-*.whl")
+    # Its dependencies and the tests', for the machine's Python
+    platforms = ["manylinux2014_x86_64", "manylinux_2_17_x86_64"]
+    platforms += ["manylinux_2_28_x86_64"]
+    subprocess.run(
+        [
+            *pip,
+            "download",
+            "-q",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON,
+            "--implementation",
+            "cp",
+            *[arg for p in platforms for arg in ("--platform", p)],
+            "-d",
+            wheels,
+            wheel,
+            *EXTRA,
+        ],
+        check=True,
+    )
+    # The materialized package with its tests, and the benchmarks
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "distributed", BUNDLE / "distributed", ignore=ignore)
+    shutil.copytree(ROOT / "benchmarks", BUNDLE / "benchmarks", ignore=ignore)
+    for name in ["conftest.py", "setup.cfg"]:
+        shutil.copy(ROOT / name, BUNDLE / name)
+    (BUNDLE / "run.sh").write_text(RUN)
+    size = sum(p.stat().st_size for p in BUNDLE.rglob("*") if p.is_file())
+    print(f"{BUNDLE}: {size / 2**20:.1f} MiB")
+    if size > 60 * 2**20:
+        sys.exit("too large for the device tool, which carries 64 MiB in all")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["bundle"])
+    parser.parse_args()
+    bundle()
