@@ -43,6 +43,7 @@ PACKAGE = upstream.PACKAGE
 EXPECTED = Path(__file__).resolve().parent / "upstream_tests_expected.toml"
 REPOSITORY = "https://github.com/dask/distributed"
 LEFTOVERS = "upstream_tests_leftovers"  # a pytest plugin
+MPI_COMMS = "upstream_tests_mpi_comms.py"  # upstream's comm checks on mpi://
 
 
 def checkout(path: Path | None, ref: str | None, version: str, dest: Path) -> None:
@@ -93,6 +94,9 @@ def prepare(args: argparse.Namespace, run_dir: Path) -> None:
         (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, run_dir / rel)
     shutil.copy2(Path(__file__).with_name(f"{LEFTOVERS}.py"), run_dir)
+    if args.scheme == "mpi":  # upstream's comm checks, on mpi:// too
+        tests = run_dir / PACKAGE / "comm" / "tests"
+        shutil.copy2(Path(__file__).with_name(MPI_COMMS), tests / "test_comms_mpi.py")
 
 
 def expected_failures() -> dict[str, dict[str, str]]:

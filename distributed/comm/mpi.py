@@ -371,14 +371,21 @@ class MPI(TCP):
             raise handshake.Refused(problem)
         # MPI failed between these two processes before: do not wait for it again
         gave_up = peer.get("gave_up_on") == mpi_startup.process_id()
-        if gave_up or not mpi_channel.reachable(peer["process"]):
+        channel = new = None
+        if not gave_up and mpi_channel.reachable(peer["process"]):
+            channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
+            new = channel is None
+            job = handshake.job(peer)
+            if new and (
+                handshake.same_world(peer)
+                or (not peer.get("full") and mpi_channel.room_for(job))
+            ):
+                channel = mpi_channel.new_channel(peer["process"])
+        if channel is None:
             await handshake.send(stream, {**handshake.hello(), "mpi": False})
             self._state = State.ON_TCP
             return
-        channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
-        new = channel is None
-        if new:
-            channel = mpi_channel.new_channel(peer["process"])
+        channel.comms.add(self)  # in use: not to be freed meanwhile
         tag = channel.allocate_tags()
         reply = {**handshake.hello(), "channel": channel.id, "tag": tag, "new": new}
         await handshake.send(stream, reply)
@@ -391,10 +398,13 @@ class MPI(TCP):
         stream = self.stream
         last = mpi_channel.peer_at(self._peer_addr)  # may since have restarted
         known = last and mpi_channel.find_channel(None, last)
+        if known:
+            known.comms.add(self)  # in use: not to be freed meanwhile
         hello = {
             **handshake.hello(),
             "channel": known and known.id,
             "gave_up_on": None if mpi_channel.reachable(last) else last,
+            "full": mpi_channel.full(),  # of jobs: a new one must use TCP
         }
         await handshake.send(stream, hello)
         reply = await handshake.recv(stream)
@@ -410,6 +420,7 @@ class MPI(TCP):
             return
         if reply["new"]:
             channel = mpi_channel.new_channel(peer, reply["channel"])
+            channel.comms.add(self)
             if not await self._open(channel, reply):
                 return
         else:
@@ -472,6 +483,8 @@ class MPI(TCP):
                 f"{self._peer_addr} went away while opening an MPI channel: {error}"
             ) from error
         if error is None and opened:
+            if not same_world:
+                mpi_channel.met(handshake.job(peer))
             return True
         logger.warning(
             "MPI could not connect %s to %s (%s): their comms move their "
@@ -499,6 +512,7 @@ class MPI(TCP):
         self._state = State.ON_MPI
         self._peer_moved = asyncio.get_running_loop().create_future()
         channel.comms.add(self)
+        channel.peer_left = False
         self._watcher = asyncio.ensure_future(
             _watch_peer(weakref.ref(self), self.stream)
         )
@@ -522,6 +536,8 @@ class MPI(TCP):
         """The TCP connection ended: the peer closed the comm or is gone"""
         if self._state is State.CLOSED:
             return  # closed here
+        if self._route is not None:
+            self._route.channel.peer_left = True
         self._fail(self._writes, "peer closed the connection")
         if not graceful or self._state is not State.ON_MPI:
             self.abort()
@@ -861,6 +877,7 @@ class MPI(TCP):
         finally:
             self._finalizer.detach()
             stream.close()
+            self._leave_channel()
 
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
@@ -877,6 +894,18 @@ class MPI(TCP):
         if stream is not None and not stream.closed():
             self._finalizer.detach()
             stream.close()
+        self._leave_channel()
+
+    def _leave_channel(self) -> None:
+        """A closed comm uses its channel no more: free the channel if the
+        peer closed the last comm that used it (see mpi_channel.release)"""
+        channel = self._route and self._route.channel
+        if channel is None:
+            return
+        channel.comms.discard(self)
+        if not channel.comms and channel.peer_left:
+            if channel.peer != mpi_startup.process_id():
+                mpi_channel.release(channel)
 
 
 async def _watch_peer(ref: weakref.ref[MPI], stream) -> None:

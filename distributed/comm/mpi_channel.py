@@ -27,11 +27,20 @@ peer dies half-way:
   do not try again (:func:`give_up_on`): a second failure would block both
   for as long, and two processes that keep failing to connect, each blocked
   while the other tries, would block each other for good.
+
+A channel is freed (:func:`release`) once no comm uses it and its peer closed
+the last one: a worker that left.  MPICH itself gives back little of a
+connection (about 50-70 KB stay with each process, freed or not), and aborts
+a process on the 1024th distinct job it connects to (its table of jobs,
+``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
+are met over TCP.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import re
 import secrets
 import threading
@@ -41,12 +50,18 @@ import weakref
 
 from distributed.comm.mpi_startup import before_finalize, get_mpi, process_id
 
+logger = logging.getLogger(__name__)
+
 _lock = threading.Lock()
 _channels: dict[str, Channel] = {}  # open channels, by channel id
 _latest: dict[str, Channel] = {}  # the last channel opened, by peer process
 _addresses: dict[str, str] = {}  # peer process, by its listening address
 _unreachable: set[str] = set()  # peer processes MPI could not connect to
 _ports: dict[str, str] = {}  # the ports of open_port(), as MPI opened them
+_jobs: set[str] = set()  # the jobs of the peers met with accept/connect
+
+# Below MPICH's 1024 jobs per process, with some to spare
+MAX_JOBS = 1000
 
 _MPICH_PORT_TAG = re.compile(r"^tag#\d+\$")  # the tag in an MPICH port name
 
@@ -65,6 +80,7 @@ class Channel:
         self.comm = None
         self.rank = 0  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
+        self.peer_left = False  # the peer closed the last comm that used it
         self._next = 0
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
@@ -115,7 +131,9 @@ class Channel:
         self.rank = rank
         with _lock:
             _channels[self.id] = self
-            _latest[self.peer] = self
+            replaced, _latest[self.peer] = _latest.get(self.peer), self
+        if replaced is not None and not replaced.comms:
+            release(replaced)  # the peer forgot it
 
     def __repr__(self):
         return f"<Channel {self.id} to {self.peer}>"
@@ -166,13 +184,64 @@ def give_up_on(channel: Channel) -> None:
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:
-    """The channel ``id``, else any open channel to process ``peer``"""
+    """The channel ``id``, else an open channel to process ``peer`` that a
+    comm uses (one that none uses, the peer may have freed)"""
     if peer == process_id():
         return self_channel()
     channel = _channels.get(id) if id else None
     if channel is not None and channel.peer == peer:
         return channel
-    return _latest.get(peer)
+    channel = _latest.get(peer)
+    if channel is not None and not channel.comms:
+        release(channel)
+        return None
+    return channel
+
+
+def release(channel: Channel) -> None:
+    """Free a channel that no comm uses, and forget its peer.  ``Free`` is
+    safe whether the peer lives or not (``Disconnect`` would wait for ever
+    on a receive left posted); cancelled receives complete on their own."""
+    with _lock:
+        if _channels.get(channel.id) is not channel:
+            return  # freed already, or never opened
+        del _channels[channel.id]
+        if _latest.get(channel.peer) is channel:
+            del _latest[channel.peer]
+            for address in [a for a, p in _addresses.items() if p == channel.peer]:
+                del _addresses[address]
+    MPI = get_mpi()
+    with contextlib.suppress(MPI.Exception):
+        # Small ones only: a large one's sender may be dead (mpi_liveness)
+        _receive_leftovers(MPI, channel.comm, 1024)
+        channel.comm.Free()
+
+
+def room_for(job: str) -> bool:
+    """Whether this process may connect to a process of ``job`` with MPI"""
+    if job in _jobs or len(_jobs) < MAX_JOBS:
+        return True
+    _warn_full()
+    return False
+
+
+def full() -> bool:
+    return len(_jobs) >= MAX_JOBS
+
+
+def met(job: str) -> None:
+    """A channel to a process of ``job`` was opened with accept/connect"""
+    _jobs.add(job)
+
+
+@functools.cache
+def _warn_full() -> None:
+    logger.warning(
+        "This process has connected to %d MPI jobs, the most that MPICH "
+        "allows one process: comms with processes of new jobs (workers "
+        "started by mpiexec -n 1, or without mpiexec) use TCP",
+        MAX_JOBS,
+    )
 
 
 def new_channel(peer: str, id: str | None = None) -> Channel:
@@ -200,19 +269,28 @@ def close_port(port: str) -> None:
     get_mpi().Close_port(_ports.pop(port, port))
 
 
+def _receive_leftovers(MPI, comm, limit: int) -> bool:
+    """Receive what peers sent to comms closed here (their CLOSE heads), up to
+    ``limit`` bytes each (a larger one may wait for a sender that is gone):
+    UCX would keep them, and print a warning about each at exit.  Whether
+    any came."""
+    status, came = MPI.Status(), False
+    while message := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        nbytes = status.Get_count(MPI.BYTE)
+        if nbytes > limit:
+            break
+        message.Recv(bytearray(nbytes))
+        came = True
+    return came
+
+
 def _drain(MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
-    """Receive what peers sent to comms closed here (their CLOSE heads), which
-    UCX would print a warning about at exit, until nothing came for ``quiet``
-    seconds: a probe on one channel may bring in the message of another."""
-    status = MPI.Status()
+    """At exit, receive what is left until nothing came for ``quiet`` seconds:
+    a probe on one channel may bring in the message of another"""
     start = last = time.monotonic()
     while time.monotonic() - last < quiet and time.monotonic() - start < limit:
         for channel in list(_channels.values()):
-            while message := channel.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                nbytes = status.Get_count(MPI.BYTE)
-                if nbytes > 65536:  # may wait for a sender that is gone
-                    break
-                message.Recv(bytearray(nbytes))
+            if _receive_leftovers(MPI, channel.comm, 65536):
                 last = time.monotonic()
 
 

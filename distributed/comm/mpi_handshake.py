@@ -105,6 +105,12 @@ def incompatibility(peer: dict) -> str | None:
     return None
 
 
+def job(peer: dict) -> str:
+    """The mpiexec job of the peer: the process itself when alone in it"""
+    world = peer.get("world")
+    return world[0] if world else peer["process"]
+
+
 def same_world(peer: dict) -> bool:
     """Whether the peer is another rank of this process's mpiexec job"""
     mine, theirs = mpi_startup.world(), peer.get("world")

@@ -107,6 +107,7 @@ def _initialize():
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         atexit.register(_finalize, MPI)
+    _unlink_shared_memory()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
             "The mpi:// transport needs MPI_THREAD_MULTIPLE, but MPI was "
@@ -114,6 +115,30 @@ def _initialize():
             "initialise MPI with a lower thread level before using mpi://."
         )
     return MPI
+
+
+def _unlink_shared_memory() -> None:
+    """MPICH makes ``/dev/shm/mpich_shm_<job>_<node>`` at the start of MPI_Init
+    and removes it in MPI_Finalize only: a process that is killed leaves 1 MiB
+    of memory behind for good.  Every local rank of the job has mapped it
+    before MPI_Init returns in any of them, and nobody opens it by name later,
+    so its name can go now; the memory stays until the last process unmaps it.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {
+                line.split(None, 5)[5].strip()
+                for line in f
+                if "/dev/shm/mpich_shm_" in line and not line.endswith("(deleted)\n")
+            }
+    except OSError:
+        return
+    for path in paths:
+        # Other ranks of the job may remove it first
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.unlink(path)
 
 
 def _finalize(MPI) -> None:
