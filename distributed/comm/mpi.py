@@ -426,8 +426,10 @@ class MPI(TCP):
         else:
             channel = mpi_channel.find_channel(reply["channel"], peer)
             if channel is None or channel.id != reply["channel"]:
-                raise FatalCommClosedError(
-                    f"{self._peer_addr} proposed an unknown MPI channel"
+                # Freed here just now, as its last comm closed: the peer will
+                # not propose it again once it has seen that comm close
+                raise CommClosedError(
+                    f"{self._peer_addr} proposed an MPI channel freed here"
                 )
         tag = reply["tag"]
         self._start(channel, reply, recv_tag=tag + 1, send_tag=tag)
@@ -512,7 +514,6 @@ class MPI(TCP):
         self._state = State.ON_MPI
         self._peer_moved = asyncio.get_running_loop().create_future()
         channel.comms.add(self)
-        channel.peer_left = False
         self._watcher = asyncio.ensure_future(
             _watch_peer(weakref.ref(self), self.stream)
         )
@@ -536,8 +537,6 @@ class MPI(TCP):
         """The TCP connection ended: the peer closed the comm or is gone"""
         if self._state is State.CLOSED:
             return  # closed here
-        if self._route is not None:
-            self._route.channel.peer_left = True
         self._fail(self._writes, "peer closed the connection")
         if not graceful or self._state is not State.ON_MPI:
             self.abort()
@@ -863,6 +862,7 @@ class MPI(TCP):
         if self._route is not None:
             self._fail(self._reads, "closed")
         if stream is None or stream.closed():
+            self._leave_channel()
             return
         try:
             if was_open:
@@ -897,15 +897,14 @@ class MPI(TCP):
         self._leave_channel()
 
     def _leave_channel(self) -> None:
-        """A closed comm uses its channel no more: free the channel if the
-        peer closed the last comm that used it (see mpi_channel.release)"""
+        """A closed comm uses its channel no more: free the channel if no
+        other comm does (see mpi_channel.release)"""
         channel = self._route and self._route.channel
         if channel is None:
             return
         channel.comms.discard(self)
-        if not channel.comms and channel.peer_left:
-            if channel.peer != mpi_startup.process_id():
-                mpi_channel.release(channel)
+        if not channel.comms and channel.peer != mpi_startup.process_id():
+            mpi_channel.release(channel)
 
 
 async def _watch_peer(ref: weakref.ref[MPI], stream) -> None:

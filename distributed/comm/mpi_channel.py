@@ -28,9 +28,9 @@ peer dies half-way:
   for as long, and two processes that keep failing to connect, each blocked
   while the other tries, would block each other for good.
 
-A channel is freed (:func:`release`) once no comm uses it and its peer closed
-the last one: a worker that left.  MPICH itself gives back little of a
-connection (about 50-70 KB stay with each process, freed or not), and aborts
+A channel is freed (:func:`release`) once no comm uses it: its peer left, or
+the two stopped talking (a new comm then opens a new channel).  MPICH itself
+gives back little of a connection (about 50-70 KB stay with each process, freed or not), and aborts
 a process on the 1024th distinct job it connects to (its table of jobs,
 ``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
 are met over TCP.
@@ -38,6 +38,7 @@ are met over TCP.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -59,6 +60,11 @@ _addresses: dict[str, str] = {}  # peer process, by its listening address
 _unreachable: set[str] = set()  # peer processes MPI could not connect to
 _ports: dict[str, str] = {}  # the ports of open_port(), as MPI opened them
 _jobs: set[str] = set()  # the jobs of the peers met with accept/connect
+_freeing: dict[str, Channel] = {}  # released channels, freed a little later
+
+# A released channel is freed this many seconds later: a peer that closed a
+# comm at the same time as this process sends a last message (its CLOSE head)
+FREE_AFTER = 10
 
 # Below MPICH's 1024 jobs per process, with some to spare
 MAX_JOBS = 1000
@@ -80,10 +86,12 @@ class Channel:
         self.comm = None
         self.rank = 0  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
-        self.peer_left = False  # the peer closed the last comm that used it
-        self._next = 0
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
+        # MPI reuses the context of a freed communicator for a new one, which
+        # then matches the messages left unreceived on the old one (comms
+        # closed before reading all): tags that start anywhere do not meet
+        self._next = secrets.randbelow(self._ntags)
 
     def allocate_tags(self) -> int:
         """A base tag for a new comm: the listening end receives on ``base``
@@ -131,9 +139,7 @@ class Channel:
         self.rank = rank
         with _lock:
             _channels[self.id] = self
-            replaced, _latest[self.peer] = _latest.get(self.peer), self
-        if replaced is not None and not replaced.comms:
-            release(replaced)  # the peer forgot it
+            _latest[self.peer] = self
 
     def __repr__(self):
         return f"<Channel {self.id} to {self.peer}>"
@@ -184,32 +190,43 @@ def give_up_on(channel: Channel) -> None:
 
 
 def find_channel(id: str | None, peer: str) -> Channel | None:
-    """The channel ``id``, else an open channel to process ``peer`` that a
-    comm uses (one that none uses, the peer may have freed)"""
+    """The channel ``id``, else a channel to process ``peer`` with a comm open
+    at both ends (one whose comms the peer closed it may have freed)"""
     if peer == process_id():
         return self_channel()
     channel = _channels.get(id) if id else None
     if channel is not None and channel.peer == peer:
         return channel
     channel = _latest.get(peer)
-    if channel is not None and not channel.comms:
-        release(channel)
+    if channel is not None and all(comm.closed() for comm in channel.comms):
         return None
     return channel
 
 
 def release(channel: Channel) -> None:
-    """Free a channel that no comm uses, and forget its peer.  ``Free`` is
-    safe whether the peer lives or not (``Disconnect`` would wait for ever
-    on a receive left posted); cancelled receives complete on their own."""
+    """Forget a channel that no comm uses any more, and its peer (for now);
+    free it :data:`FREE_AFTER` seconds later"""
     with _lock:
         if _channels.get(channel.id) is not channel:
-            return  # freed already, or never opened
+            return  # released already, or never opened
         del _channels[channel.id]
         if _latest.get(channel.peer) is channel:
             del _latest[channel.peer]
             for address in [a for a, p in _addresses.items() if p == channel.peer]:
                 del _addresses[address]
+        _freeing[channel.id] = channel
+    try:
+        asyncio.get_running_loop().call_later(FREE_AFTER, _free, channel)
+    except RuntimeError:  # no event loop
+        _free(channel)
+
+
+def _free(channel: Channel) -> None:
+    """``Free`` is safe whether the peer lives or not (``Disconnect`` would
+    wait for ever on a receive left posted); cancelled receives complete on
+    their own"""
+    if _freeing.pop(channel.id, None) is None:
+        return
     MPI = get_mpi()
     with contextlib.suppress(MPI.Exception):
         # Small ones only: a large one's sender may be dead (mpi_liveness)
@@ -226,7 +243,8 @@ def room_for(job: str) -> bool:
 
 
 def full() -> bool:
-    return len(_jobs) >= MAX_JOBS
+    """Whether this process may connect to no new job with MPI"""
+    return not room_for("a new job")
 
 
 def met(job: str) -> None:
@@ -289,7 +307,7 @@ def _drain(MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
     a probe on one channel may bring in the message of another"""
     start = last = time.monotonic()
     while time.monotonic() - last < quiet and time.monotonic() - start < limit:
-        for channel in list(_channels.values()):
+        for channel in [*_channels.values(), *_freeing.values()]:
             if _receive_leftovers(MPI, channel.comm, 65536):
                 last = time.monotonic()
 

@@ -5,6 +5,7 @@ to each other."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import re
 import subprocess
 import sys
@@ -14,11 +15,15 @@ import pytest
 pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
 
-from distributed.comm import CommClosedError, connect, mpi_startup
+import dask
+
+from distributed import Client, Scheduler
+from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
 from distributed.comm.mpi import State
+from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
-from distributed.utils_test import gen_test
+from distributed.utils_test import captured_logger, gen_test
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -184,3 +189,61 @@ def test_ranks_behind_a_wrapper_script_know_they_are_one_job():
     worlds = sorted(re.findall(r"\('([^']*)', (\d)\)", out))
     assert [rank for _, rank in worlds] == ["0", "1"], out
     assert worlds[0][0] == worlds[1][0], worlds
+
+
+def held_by_mpi() -> tuple:
+    """What this process holds for its peers: its channels and what they
+    are known by, and its progress engine's requests, probes and senders"""
+    engine = ProgressEngine.current()
+    tables = [mpi_channel._channels, mpi_channel._latest, mpi_channel._addresses]
+    tables += [engine._transfers, engine._probes, engine._senders, engine._orphans]
+    return tuple(map(len, tables))
+
+
+@gen_test(timeout=240)
+async def test_workers_that_come_and_go_leave_nothing_behind():
+    """Workers, each an mpiexec job of its own, join a scheduler in this
+    process, send it data, and leave, retired or killed: the scheduler frees
+    what it held for them, and no shared-memory file of theirs is left"""
+    shm_files = set(glob.glob("/dev/shm/mpich_shm_*"))
+    worker = ["-n", "1", "-m", "distributed.cli.dask_worker", "--no-nanny"]
+    worker += ["--nthreads", "1", "--no-dashboard"]
+    with dask.config.set({"distributed.comm.timeouts.connect": "5s"}):
+        async with Scheduler(protocol="mpi", port=0, dashboard_address=":0") as s:
+            async with Client(s.address, asynchronous=True) as c:
+                start = held_by_mpi()
+                for leave in ["retire", "kill", "retire", "kill"]:
+                    with mpiexec([*worker, s.address]) as job:
+                        await c.wait_for_workers(1)
+                        [address] = s.workers
+                        future = c.submit(np.arange, 2**20, workers=[address])
+                        assert (await future).sum() == np.arange(2**20).sum()
+                        del future
+                        while s.tasks:  # forgotten: none to move elsewhere
+                            await asyncio.sleep(0.01)
+                        if leave == "retire":
+                            await c.retire_workers([address])
+                            await asyncio.to_thread(job.wait, 60)
+                        else:
+                            await asyncio.to_thread(job.crash)
+                    while s.workers or held_by_mpi() != start:
+                        await asyncio.sleep(0.1)  # the test's timeout bounds it
+    assert set(glob.glob("/dev/shm/mpich_shm_*")) <= shm_files
+
+
+@gen_test(timeout=120)
+async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkeypatch):
+    """MPICH aborts a process that connects to its 1024th job: past
+    MAX_JOBS, processes of new jobs are met over TCP, with one warning"""
+    address, _ = server
+    monkeypatch.setattr(mpi_channel, "MAX_JOBS", len(mpi_channel._jobs))
+    mpi_channel._warn_full.cache_clear()
+    with captured_logger("distributed.comm.mpi_channel") as log:
+        comm = await connect(address)
+        await comm.write({"x": to_serialize(np.arange(1000))})
+        assert (await comm.read())["x"].sum() == np.arange(1000).sum()
+        assert comm.state is State.ON_TCP
+        await comm.close()
+        comm = await connect(address)
+        await comm.close()
+    assert log.getvalue().count("the most that MPICH allows one process") == 1
