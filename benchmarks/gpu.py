@@ -24,15 +24,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import apps
-from pingpong import versions
-from processes import kill, launch, wait_for_file
+import pingpong
 
 HERE = os.path.abspath(__file__)
-PINGPONG = os.path.join(os.path.dirname(HERE), "pingpong.py")
 
 
 def sizes(quick: bool) -> list[int]:
@@ -70,21 +67,6 @@ async def client(address: str, quick: bool) -> dict:
         results[size] = await timed(msg, repetitions(size, quick))
     await comm.close()
     return results
-
-
-def pingpong(protocol: str, quick: bool) -> dict:
-    mpi = protocol == "mpi"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "address")
-        server = launch([PINGPONG, "serve", protocol, path], mpi)
-        try:
-            address = wait_for_file(path, server)
-            args = [HERE, "client", address] + (["--quick"] if quick else [])
-            client_proc = launch(args, mpi, stdout=subprocess.PIPE, text=True)
-            stdout, _ = client_proc.communicate(timeout=1800)
-            return json.loads(stdout.strip().splitlines()[-1])
-        finally:
-            kill(server)
 
 
 def transpose_sum(n: int, chunk: int):
@@ -186,7 +168,7 @@ def main() -> None:
 
     aware, why = cuda_aware()
     results = {
-        "machine": versions(),
+        "machine": pingpong.versions(),
         "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         "cupy": cupy.__version__,
         "cuda_aware": why,
@@ -201,7 +183,9 @@ def main() -> None:
     for name, protocol, setting in variants:
         print(name, file=sys.stderr)
         with setting():
-            results["pingpong"][name] = pingpong(protocol, args.quick)
+            results["pingpong"][name] = pingpong.run_protocol(
+                protocol, args.quick, client_script=HERE
+            )
             results["apps"][name] = apps.run_protocol(
                 protocol, 2, args.quick, repeat, suite(args.quick)
             )

@@ -7,6 +7,7 @@ without a GPU refusing device frames clearly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -150,21 +151,34 @@ def sizes() -> list[int]:
     return sizes
 
 
-@gpu
-@gen_test(timeout=600)
-async def test_cupy_arrays_between_two_processes(tmp_path):
-    import cupy
-
+@contextlib.asynccontextmanager
+async def comm_to_a_peer(tmp_path):
+    """A comm to an echoing peer process (mpi_peer), under mpiexec"""
     path = str(tmp_path / "address")
     with mpiexec(
         ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
     ) as job:
         comm = await connect(wait_for_file(path, job))
+        yield comm
+        await comm.close()
+
+
+async def echoed(comm, x) -> dict:
+    """``x`` back from the peer, with the type the peer got"""
+    await comm.write({"op": "echo", "x": to_serialize(x)})
+    return await comm.read()
+
+
+@gpu
+@gen_test(timeout=600)
+async def test_cupy_arrays_between_two_processes(tmp_path):
+    import cupy
+
+    async with comm_to_a_peer(tmp_path) as comm:
         assert comm.gpu_path in ("staged", "direct")
         for size in sizes():
             x = cupy.random.randint(0, 255, size=size, dtype="u1")
-            await comm.write({"op": "echo", "x": to_serialize(x)})
-            reply = await comm.read()
+            reply = await echoed(comm, x)
             assert reply["type"] == "cupy.ndarray"  # on the device over there
             y = reply["x"]
             assert isinstance(y, cupy.ndarray) and y.shape == x.shape
@@ -172,49 +186,32 @@ async def test_cupy_arrays_between_two_processes(tmp_path):
             del x, y, reply
         # Not contiguous, and in a message with host frames
         x = cupy.arange(10**6, dtype="f8").reshape(1000, 1000)[::2, ::3]
-        await comm.write(
-            {"op": "echo", "x": to_serialize([x, np.arange(10**6), b"bytes"])}
-        )
-        y, host, raw = (await comm.read())["x"]
+        y, host, raw = (await echoed(comm, [x, np.arange(10**6), b"bytes"]))["x"]
         assert isinstance(y, cupy.ndarray) and bool((y == x).all())
         assert isinstance(host, np.ndarray) and (host == np.arange(10**6)).all()
         assert raw == b"bytes"
-        await comm.close()
 
 
 @gpu
 @gen_test(timeout=120)
 async def test_numba_device_array_between_two_processes(tmp_path):
     numba_cuda = pytest.importorskip("numba.cuda")
-    path = str(tmp_path / "address")
-    with mpiexec(
-        ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
-    ) as job:
-        comm = await connect(wait_for_file(path, job))
+    async with comm_to_a_peer(tmp_path) as comm:
         x = numba_cuda.to_device(np.arange(3 * 2**20, dtype="i4"))
-        await comm.write({"op": "echo", "x": to_serialize(x)})
-        reply = await comm.read()
-        assert numba_cuda.is_cuda_array(reply["x"])
-        assert (reply["x"].copy_to_host() == np.arange(3 * 2**20)).all()
-        await comm.close()
+        y = (await echoed(comm, x))["x"]
+        assert numba_cuda.is_cuda_array(y)
+        assert (y.copy_to_host() == np.arange(3 * 2**20)).all()
 
 
 @gpu
 @gen_test(timeout=120)
 async def test_rmm_buffer_between_two_processes(tmp_path):
     rmm = pytest.importorskip("rmm")
-    path = str(tmp_path / "address")
-    with mpiexec(
-        ["-n", "1", "-m", "distributed.comm.tests.mpi_peer", "serve", path]
-    ) as job:
-        comm = await connect(wait_for_file(path, job))
+    async with comm_to_a_peer(tmp_path) as comm:
         data = np.arange(2**20, dtype="u1")
-        x = rmm.DeviceBuffer.to_device(data.tobytes())
-        await comm.write({"op": "echo", "x": to_serialize(x)})
-        y = (await comm.read())["x"]
+        y = (await echoed(comm, rmm.DeviceBuffer.to_device(data.tobytes())))["x"]
         assert isinstance(y, rmm.DeviceBuffer)
         assert bytes(y.tobytes()) == data.tobytes()
-        await comm.close()
 
 
 @gpu
