@@ -749,7 +749,7 @@ class MPI(TCP):
         # Like a TCP comm's write, return once the message is queued: waiting
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
-        sent = asyncio.gather(*sends)
+        sent = sends[0] if len(sends) == 1 else asyncio.gather(*sends)
         sent.add_done_callback(_weakly(self._sent))
         self._doorbell.ring_until_sent(sent)
         return nbytes
