@@ -673,9 +673,7 @@ class MPI(TCP):
         self._stall_watch.progress()
         self._stall_watch.receiving = requests
         fut = route.engine.transfer(requests, chunks, route.sender)
-        self._reads.add(fut)
-        fut.add_done_callback(self._reads.discard)
-        fut.add_done_callback(_retrieve)
+        self._reads.add(fut)  # until awaited (_await_read), or failed (_fail)
         return fut
 
     def _check_sender(self) -> None:
@@ -750,7 +748,8 @@ class MPI(TCP):
         # until MPI completed the sends would deadlock two ends that both
         # write before they read.  The engine keeps the frames alive.
         sent = sends[0] if len(sends) == 1 else asyncio.gather(*sends)
-        sent.add_done_callback(_weakly(self._sent))
+        if not sent.done():
+            sent.add_done_callback(_weakly(self._sent))
         self._doorbell.ring_until_sent(sent)
         return nbytes
 
@@ -783,9 +782,9 @@ class MPI(TCP):
             for chunk in chunks
         ]
         fut = route.engine.transfer(requests, chunks)
-        self._writes.add(fut)
-        fut.add_done_callback(self._writes.discard)
-        fut.add_done_callback(_retrieve)
+        if not fut.done():
+            self._writes.add(fut)
+            fut.add_done_callback(self._writes.discard)
         return fut
 
     def _sent(self, fut) -> None:
@@ -843,6 +842,7 @@ class MPI(TCP):
         """Give up the engine futures ``pending``"""
         for fut in list(pending):
             self._route.engine.cancel(fut, exc or CommClosedError(f"{self}: {reason}"))
+            _retrieve(fut)  # a read posted ahead may never be awaited
 
     async def close(self):
         """Close after the messages written so far: the peer reads them,
