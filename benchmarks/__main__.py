@@ -21,7 +21,7 @@ if __name__ == "__main__":
         if "--out" in args
         else os.path.join(HERE, "results")
     )
-    for name in ["pingpong", "sparse", "connect", "idle", "apps"]:
+    for name in ["pingpong", "pauses", "connect", "idle", "apps"]:
         print(f"== {name}", flush=True)
         subprocess.run(
             [sys.executable, os.path.join(HERE, f"{name}.py"), *args], check=True

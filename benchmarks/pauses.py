@@ -1,11 +1,11 @@
 """Round trips with pauses between them: tcp:// vs mpi://.
 
-    python benchmarks/sparse.py [--quick] [--out benchmarks/results]
+    python benchmarks/pauses.py [--quick] [--out benchmarks/results]
 
 Ping-pong sends the next message as soon as the last one is back; Dask's
 scheduler and workers mostly talk now and then. Here a client process sleeps
 ``gap`` between round trips of a small message to ``pingpong.py``'s echoing
-server and times each round trip (median). Writes ``sparse.json``.
+server and times each round trip (median). Writes ``pauses.json``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
         f"{protocol}://": pingpong.run_protocol(protocol, args.quick, HERE)
         for protocol in ["tcp", "mpi"]
     }
-    with open(os.path.join(args.out, "sparse.json"), "w") as f:
+    with open(os.path.join(args.out, "pauses.json"), "w") as f:
         json.dump(results, f, indent=1)
     tcp, mpi = results["round_trip"]["tcp://"], results["round_trip"]["mpi://"]
     print("gap (ms)   tcp (us)   mpi (us)   mpi/tcp")
