@@ -17,7 +17,6 @@ says MPI is CUDA-aware; otherwise the JSON says why not. Writes
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -33,13 +32,11 @@ HERE = os.path.abspath(__file__)
 
 
 def sizes(quick: bool) -> list[int]:
-    top = 2**28 if quick else 2**30
-    return sorted({4**k for k in range(16) if 4**k <= top} | {top})
+    return pingpong.sizes(quick, 2**28 if quick else 2**30)
 
 
 def repetitions(size: int, quick: bool) -> int:
-    n = 200 if size <= 2**16 else max(5, 2**28 // size)
-    return max(3, n // 4) if quick else n
+    return pingpong.repetitions(size, quick, 2**28)
 
 
 async def client(address: str, quick: bool) -> dict:
@@ -211,7 +208,6 @@ def summarize(results: dict) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
-        result = asyncio.run(client(sys.argv[2], "--quick" in sys.argv))
-        print(json.dumps(result), flush=True)
+        pingpong.run_client(client)
     else:
         main()

@@ -66,7 +66,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
-        result = asyncio.run(client(sys.argv[2], "--quick" in sys.argv))
-        print(json.dumps(result), flush=True)
+        pingpong.run_client(client)
     else:
         main()

@@ -29,13 +29,15 @@ from processes import MPIEXEC, kill, launch, wait_for_file
 HERE = os.path.abspath(__file__)
 
 
-def sizes(quick: bool) -> list[int]:
-    top = 2**24 if quick else 2**27
+def sizes(quick: bool, top: int | None = None) -> list[int]:
+    """Powers of 4 up to ``top`` (default: 16 MiB quick, else 128 MiB)"""
+    top = top or (2**24 if quick else 2**27)
     return sorted({4**k for k in range(20) if 4**k <= top} | {top})
 
 
-def repetitions(size: int, quick: bool) -> int:
-    n = 200 if size <= 2**16 else max(5, 2**26 // size)
+def repetitions(size: int, quick: bool, budget: int = 2**26) -> int:
+    """Round trips of a message of ``size``: moving about ``budget`` bytes"""
+    n = 200 if size <= 2**16 else max(5, budget // size)
     return max(3, n // 4) if quick else n
 
 
@@ -108,6 +110,17 @@ def raw(quick: bool) -> None:
         results[size] = statistics.median(times)
     if comm.rank == 0:
         print(json.dumps(results))
+
+
+def run_client(client) -> None:
+    """``SCRIPT client ADDRESS [--quick]``: print ``client(address, quick)``
+    as JSON, for :func:`run_protocol`.  ``@FILE``: the address is in FILE,
+    where the server's rank writes it."""
+    address = sys.argv[2]
+    if address.startswith("@"):
+        address = wait_for_file(address[1:], None)
+    result = asyncio.run(client(address, "--quick" in sys.argv))
+    print(json.dumps(result), flush=True)
 
 
 def run_protocol(protocol: str, quick: bool, client_script: str = HERE) -> dict:
@@ -243,12 +256,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         asyncio.run(serve(sys.argv[2], sys.argv[3]))
     elif sys.argv[1:2] == ["client"]:
-        address = sys.argv[2]
-        if address.startswith("@"):  # the server's rank writes it there
-            address = wait_for_file(address[1:], None)
-        print(
-            json.dumps(asyncio.run(client(address, "--quick" in sys.argv))), flush=True
-        )
+        run_client(client)
     elif sys.argv[1:2] == ["raw"]:
         raw("--quick" in sys.argv)
     else:

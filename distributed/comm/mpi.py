@@ -133,7 +133,7 @@ def _chunks(frame, size: int) -> list:
 
 
 def _retrieve(fut: asyncio.Future) -> None:
-    """A done-callback: nobody may await this future, should its comm fail"""
+    """Mark a done future's exception as seen: nobody may await it"""
     if not fut.cancelled():
         fut.exception()
 
@@ -375,10 +375,9 @@ class MPI(TCP):
         if not gave_up and mpi_channel.reachable(peer["process"]):
             channel = mpi_channel.find_channel(peer.get("channel"), peer["process"])
             new = channel is None
-            job = handshake.job(peer)
             if new and (
                 handshake.same_world(peer)
-                or (not peer.get("full") and mpi_channel.room_for(job))
+                or (not peer.get("full") and mpi_channel.room_for(handshake.job(peer)))
             ):
                 channel = mpi_channel.new_channel(peer["process"])
         if channel is None:

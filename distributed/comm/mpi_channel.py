@@ -30,10 +30,10 @@ peer dies half-way:
 
 A channel is freed (:func:`release`) once no comm uses it: its peer left, or
 the two stopped talking (a new comm then opens a new channel).  MPICH itself
-gives back little of a connection (about 50-70 KB stay with each process, freed or not), and aborts
-a process on the 1024th distinct job it connects to (its table of jobs,
-``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
-are met over TCP.
+gives back little of a connection (about 50-70 KB stay with each process,
+freed or not), and aborts a process on the 1024th distinct job it connects to
+(its table of jobs, ``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`,
+processes of new jobs are met over TCP.
 """
 
 from __future__ import annotations
@@ -234,17 +234,17 @@ def _free(channel: Channel) -> None:
         channel.comm.Free()
 
 
-def room_for(job: str) -> bool:
-    """Whether this process may connect to a process of ``job`` with MPI"""
-    if job in _jobs or len(_jobs) < MAX_JOBS:
-        return True
-    _warn_full()
-    return False
-
-
 def full() -> bool:
     """Whether this process may connect to no new job with MPI"""
-    return not room_for("a new job")
+    if len(_jobs) < MAX_JOBS:
+        return False
+    _warn_full()
+    return True
+
+
+def room_for(job: str) -> bool:
+    """Whether this process may connect to a process of ``job`` with MPI"""
+    return job in _jobs or not full()
 
 
 def met(job: str) -> None:
