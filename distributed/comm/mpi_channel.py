@@ -1,39 +1,39 @@
-"""MPI channels: one MPI communicator per pair of processes.
+"""MPI channels: one MPI communicator per pair of processes that move data.
 
-Two processes get a channel the first time one connects to the other.  Ranks
-of one ``mpiexec`` job make a communicator of the two of them with
+A channel opens the first time a frame large enough to go over MPI is written
+between two processes, never for control messages alone: a scheduler that
+only exchanges small messages with its workers holds no channel to them, and
+MPICH's per-connection memory and job limit do not apply to it.  The end of a
+comm that dialled its peer's listener opens the channel, over a TCP connection
+of its own to that listener (:func:`dial`); the other end asks it to in the
+heads of the messages it writes.  Until the channel is open, messages travel
+whole over TCP.  Every comm between the two processes, in either direction,
+then uses the channel; each message's frames have a tag of their own.
+
+Ranks of one ``mpiexec`` job make a communicator of the two of them with
 ``MPI_Comm_create_group`` (only they take part); processes of different jobs,
 or started without ``mpiexec``, use ``MPI_Comm_accept``/``MPI_Comm_connect``
-over ``MPI_COMM_SELF``.  Neither needs a collective call over all ranks or
-costs anything at start-up.  Every later comm between the same two processes,
-in either direction, reuses the channel; comms are kept apart by tags.  A
-process talks to itself over a duplicate of ``MPI_COMM_SELF``.
+over ``MPI_COMM_SELF``.  A process talks to itself over a duplicate of
+``MPI_COMM_SELF``.
 
-These calls block, and MPICH holds its global lock while they wait, so a
-process in one can do no other MPI call: running them in helper threads would
-not help.  Instead they run on the event loop, under rules that rule out any
-cycle of processes waiting for each other, and that keep MPICH alive when a
-peer dies half-way:
+These calls block, and MPICH holds its global lock while they wait, so they
+run on the event loop, under rules that keep MPICH alive when a peer dies:
 
-- of two processes, the one whose ``process_id()`` sorts first accepts; a
-  process waits in accept only for peers that sort after it;
+- of two processes, the one whose ``process_id()`` sorts first accepts;
 - the acceptor enters MPI first, as soon as it has sent its port name over
   TCP, and gives up after ``channel-timeout``;
 - so the connector connects only to an acceptor that is waiting: at once on
   reading the port, and only if the acceptor is still there.  MPICH with UCX
   crashes in a connect to a process that is gone;
-- every port has a tag of its own (see :func:`open_port`);
-- after a channel failed to open, whichever end failed, the two processes
-  do not try again (:func:`give_up_on`): a second failure would block both
-  for as long, and two processes that keep failing to connect, each blocked
-  while the other tries, would block each other for good.
+- every port has a tag of its own (see :meth:`Channels.open_port`);
+- after a channel failed to open, or stopped delivering, the two processes
+  use TCP only (:meth:`Channels.give_up_on`).
 
-A channel is freed (:func:`release`) once no comm uses it: its peer left, or
-the two stopped talking (a new comm then opens a new channel).  MPICH itself
-gives back little of a connection (about 50-70 KB stay with each process,
-freed or not), and aborts a process on the 1024th distinct job it connects to
-(its table of jobs, ``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`,
-processes of new jobs are met over TCP.
+A channel is freed once no comm uses it.  MPICH itself gives back little of a
+connection (about 50-70 KB stay with each process, freed or not), and aborts a
+process on the 1024th distinct job it connects to (its table of jobs,
+``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
+are met over TCP.
 """
 
 from __future__ import annotations
@@ -46,24 +46,20 @@ import re
 import secrets
 import threading
 import time
-import uuid
 import weakref
 
-from distributed.comm.mpi_startup import before_finalize, get_mpi, process_id
+from dask.utils import parse_timedelta
+
+from distributed.comm import mpi_handshake as handshake
+from distributed.comm.core import CommClosedError
+from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_progress import ProgressEngine
+from distributed.comm.mpi_startup import before_finalize, config, get_mpi, process_id
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_channels: dict[str, Channel] = {}  # open channels, by channel id
-_latest: dict[str, Channel] = {}  # the last channel opened, by peer process
-_addresses: dict[str, str] = {}  # peer process, by its listening address
-_unreachable: set[str] = set()  # peer processes MPI could not connect to
-_ports: dict[str, str] = {}  # the ports of open_port(), as MPI opened them
-_jobs: set[str] = set()  # the jobs of the peers met with accept/connect
-_freeing: dict[str, Channel] = {}  # released channels, freed a little later
-
-# A released channel is freed this many seconds later: a peer that closed a
-# comm at the same time as this process sends a last message (its CLOSE head)
+# A channel no comm uses is freed this many seconds later: frames written just
+# before the comms at the other end closed may still be on their way
 FREE_AFTER = 10
 
 # Below MPICH's 1024 jobs per process, with some to spare
@@ -71,185 +67,319 @@ MAX_JOBS = 1000
 
 _MPICH_PORT_TAG = re.compile(r"^tag#\d+\$")  # the tag in an MPICH port name
 
-# Which end of MPI_Comm_accept/connect a process was; each end allocates tags
-# from its own half of the tag space, so both can add comms to one channel.
-ACCEPTOR, CONNECTOR = 0, 1
-
 
 class Channel:
     """An MPI communicator between this process and one peer process"""
 
-    def __init__(self, id: str, peer: str, role: int):
-        self.id = id
-        self.peer = peer  # process_id() of the peer
-        self.role = role  # which end of accept/connect this process was
-        self.comm = None
-        self.rank = 0  # the peer's rank in comm
+    def __init__(self, id: int, peer: dict | None, comm, rank: int, accepted: bool):
+        self.id = id  # named in message heads
+        self.peer = peer["process"] if peer else process_id()
+        self.sender = peer and LocalPeer.find(peer)  # the peer, on this host
+        self.comm = comm
+        self.rank = rank  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
         MPI = get_mpi()
-        self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 4
-        # MPI reuses the context of a freed communicator for a new one, which
-        # then matches the messages left unreceived on the old one (comms
-        # closed before reading all): tags that start anywhere do not meet
+        self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 2
+        # Each end tags from its own half of the tag space.  MPI reuses the
+        # context of a freed communicator for a new one, which then matches
+        # messages left unreceived on the old one: tags start anywhere.
+        self._parity = int(accepted)
         self._next = secrets.randbelow(self._ntags)
 
-    def allocate_tags(self) -> int:
-        """A base tag for a new comm: the listening end receives on ``base``
-        and sends on ``base + 1``"""
-        with _lock:
-            n, self._next = self._next, (self._next + 1) % self._ntags
-        return 4 * n + 2 * self.role
-
-    def accept(self, port: str, timeout: float) -> None:
-        """Open the channel; blocks until the peer connects to ``port``, or
-        for ``timeout`` seconds (MPICH honours it; a peer that died in
-        between would block us forever otherwise)"""
-        info = _timeout_info(timeout)
-        try:
-            self._opened(get_mpi().COMM_SELF.Accept(port, info))
-        finally:
-            info.Free()
-            close_port(port)
-
-    def connect(self, port: str, timeout: float) -> None:
-        """Open the channel with a peer waiting in accept, or give up
-        after ``timeout`` seconds"""
-        info = _timeout_info(timeout)
-        try:
-            self._opened(get_mpi().COMM_SELF.Connect(port, info))
-        finally:
-            info.Free()
-
-    def join(self, peer_rank: int) -> None:
-        """Open the channel with a rank of this process's own mpiexec job:
-        a communicator of the two, made by both of them alone, without
-        MPICH's machinery for connecting separate jobs"""
-        world = get_mpi().COMM_WORLD
-        ranks = sorted([world.rank, peer_rank])
-        group = world.group.Incl(ranks)
-        try:
-            # Both ends derive the same tag, distinct for concurrent calls
-            comm = world.Create_group(group, int(self.id[:4], 16) % 32768)
-        finally:
-            group.Free()
-        self._opened(comm, ranks.index(peer_rank))
-
-    def _opened(self, comm, rank: int = 0) -> None:
-        self.comm = comm
-        self.rank = rank
-        with _lock:
-            _channels[self.id] = self
-            _latest[self.peer] = self
+    def tag(self) -> int:
+        """A tag for the frames of one message"""
+        n, self._next = self._next, (self._next + 1) % self._ntags
+        return 2 * n + self._parity
 
     def __repr__(self):
-        return f"<Channel {self.id} to {self.peer}>"
+        return f"<Channel {self.id:x} to {self.peer}>"
 
 
-def _timeout_info(timeout: float):
-    info = get_mpi().Info.Create()
-    info.Set("timeout", str(max(1, round(timeout))))
-    return info
+class Channels:
+    """This process's channels, the peers MPI failed with, the jobs met"""
 
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[str, Channel] = {}  # by peer process
+        self._by_id: dict[int, Channel] = {}  # open or about to be freed
+        self._opening: dict[str, asyncio.Task] = {}  # by peer process
+        self._unreachable: set[str] = set()
+        self._jobs: set[str] = set()  # of the peers met with accept/connect
+        self._ports: dict[str, str] = {}  # open_port()'s, as MPI opened them
+        self._sweeps: weakref.WeakSet = weakref.WeakSet()  # loops that sweep
 
-def self_channel() -> Channel:
-    """The channel of this process to itself"""
-    me = process_id()
-    channel = _channels.get(me)
-    if channel is None:
-        channel = Channel(me, me, ACCEPTOR)
-        channel._opened(get_mpi().COMM_SELF.Dup())
-    return channel
+    def __len__(self) -> int:
+        return len(self._by_id)
 
+    def get(self, peer: str) -> Channel | None:
+        """The open channel to process ``peer``"""
+        if peer == process_id():
+            return self._self_channel()
+        return self._open.get(peer)
 
-def remember_address(address: str, peer: str) -> None:
-    _addresses[address] = peer
+    def by_id(self, id: int) -> Channel | None:
+        """The channel a message head names"""
+        return self._by_id.get(id)
 
+    def _self_channel(self) -> Channel:
+        me = process_id()
+        channel = self._open.get(me)
+        if channel is None:
+            channel = Channel(0, None, get_mpi().COMM_SELF.Dup(), 0, True)
+            self._add(channel)
+        return channel
 
-def peer_at(address: str) -> str | None:
-    """The process last met at the listening ``address``, if any"""
-    return _addresses.get(address)
+    def _add(self, channel: Channel) -> None:
+        with self._lock:
+            old = self._open.get(channel.peer)
+            self._open[channel.peer] = channel
+            self._by_id[channel.id] = channel
+        if old is not None:  # the peer forgot it, since it opened this one
+            self._free_later(old)
+        self._sweep_soon()
 
+    def _sweep_soon(self) -> None:
+        """Release, now and then, the channels whose comms were all closed by
+        the peer, or dropped: nobody closed them here"""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if loop not in self._sweeps:
+            self._sweeps.add(loop)
+            loop.call_later(FREE_AFTER, self._sweep, loop)
 
-def reachable(peer: str | None) -> bool:
-    """Whether to try MPI with process ``peer``"""
-    return peer not in _unreachable
+    def _sweep(self, loop) -> None:
+        self._sweeps.discard(loop)
+        me = process_id()
+        for channel in list(self._open.values()):
+            if channel.peer != me and all(c.closed() for c in channel.comms):
+                self.release(channel)
+        if any(peer != me for peer in self._open):
+            self._sweep_soon()
 
+    def reachable(self, peer: str) -> bool:
+        """Whether to try MPI with process ``peer``"""
+        return peer not in self._unreachable
 
-def give_up_on(channel: Channel) -> None:
-    """After MPI failed to open ``channel``, here or at the other end, or
-    stopped delivering on it: its peer is not worth another try, which would
-    block this process for ``channel-timeout`` again, or lose messages"""
-    with _lock:
-        _unreachable.add(channel.peer)
-        opened = _channels.pop(channel.id, None) is not None  # here, at least
-        if opened:
-            _latest.pop(channel.peer, None)
-    if opened:
+    def unreachable(self) -> list[str]:
+        """The processes this one gave up on"""
+        return sorted(self._unreachable)
+
+    def give_up_on(self, peer: str) -> None:
+        """MPI failed with ``peer``, or stopped delivering: never try again,
+        which could block this process for ``channel-timeout`` again, or
+        lose messages"""
+        self._unreachable.add(peer)
+        channel = self._open.get(peer)
+        if channel is not None:
+            self.release(channel, later=False)
+
+    def release(self, channel: Channel, later: bool = True) -> None:
+        """Forget a channel that no comm uses any more; free it
+        :data:`FREE_AFTER` seconds later"""
+        with self._lock:
+            if self._open.get(channel.peer) is not channel:
+                return  # released already
+            if channel.peer == process_id():
+                return  # kept for good
+            del self._open[channel.peer]
+        if later:
+            self._free_later(channel)
+        else:
+            self._free(channel)
+
+    def _free_later(self, channel: Channel) -> None:
+        try:
+            asyncio.get_running_loop().call_later(FREE_AFTER, self._free, channel)
+        except RuntimeError:  # no event loop
+            self._free(channel)
+
+    def _free(self, channel: Channel) -> None:
+        """``Free`` is safe whether the peer lives or not (``Disconnect`` would
+        wait for ever on a receive left posted)"""
+        if self._by_id.pop(channel.id, None) is None:
+            return
         with contextlib.suppress(get_mpi().Exception):
             channel.comm.Free()
 
-
-def find_channel(id: str | None, peer: str) -> Channel | None:
-    """The channel ``id``, else a channel to process ``peer`` with a comm open
-    at both ends (one whose comms the peer closed it may have freed)"""
-    if peer == process_id():
-        return self_channel()
-    channel = _channels.get(id) if id else None
-    if channel is not None and channel.peer == peer:
-        return channel
-    channel = _latest.get(peer)
-    if channel is not None and all(comm.closed() for comm in channel.comms):
-        return None
-    return channel
-
-
-def release(channel: Channel) -> None:
-    """Forget a channel that no comm uses any more, and its peer (for now);
-    free it :data:`FREE_AFTER` seconds later"""
-    with _lock:
-        if _channels.get(channel.id) is not channel:
-            return  # released already, or never opened
-        del _channels[channel.id]
-        if _latest.get(channel.peer) is channel:
-            del _latest[channel.peer]
-            for address in [a for a, p in _addresses.items() if p == channel.peer]:
-                del _addresses[address]
-        _freeing[channel.id] = channel
-    try:
-        asyncio.get_running_loop().call_later(FREE_AFTER, _free, channel)
-    except RuntimeError:  # no event loop
-        _free(channel)
-
-
-def _free(channel: Channel) -> None:
-    """``Free`` is safe whether the peer lives or not (``Disconnect`` would
-    wait for ever on a receive left posted); cancelled receives complete on
-    their own"""
-    if _freeing.pop(channel.id, None) is None:
-        return
-    MPI = get_mpi()
-    with contextlib.suppress(MPI.Exception):
-        # Small ones only: a large one's sender may be dead (mpi_liveness)
-        _receive_leftovers(MPI, channel.comm, 1024)
-        channel.comm.Free()
-
-
-def full() -> bool:
-    """Whether this process may connect to no new job with MPI"""
-    if len(_jobs) < MAX_JOBS:
+    def room_for(self, job: str) -> bool:
+        """Whether this process may connect to a process of ``job`` with MPI"""
+        if job in self._jobs or len(self._jobs) < MAX_JOBS:
+            return True
+        _warn_full()
         return False
-    _warn_full()
-    return True
+
+    def open_soon(self, address: str, peer: dict) -> None:
+        """Open a channel to the process listening at ``address``, in the
+        background, unless one is open or opening"""
+        process = peer["process"]
+        if process in self._open or process in self._opening:
+            return
+        if not self.reachable(process) or not self.room_for(handshake.job(peer)):
+            return
+        task = asyncio.ensure_future(self._dial(address, peer))
+        self._opening[process] = task
+        task.add_done_callback(lambda _: self._opening.pop(process, None))
+
+    async def _dial(self, address: str, peer: dict) -> None:
+        from distributed.comm.tcp import TCPConnector
+
+        timeout = parse_timedelta(config("channel-timeout"))
+        try:
+            tcp = await TCPConnector().connect(address, deserialize=False)
+        except (OSError, CommClosedError) as e:
+            logger.info("Cannot reach %s to open an MPI channel: %s", address, e)
+            return
+        try:
+            await asyncio.wait_for(
+                handshake.send(tcp.stream, {**handshake.hello(), "open": True}),
+                timeout,
+            )
+            reply = await asyncio.wait_for(handshake.recv(tcp.stream), timeout)
+            if reply.get("process") == peer["process"] and reply.get("open"):
+                await self.open(tcp.stream, reply)
+        except Exception as e:
+            logger.info("Opening an MPI channel to %s failed: %r", address, e)
+        finally:
+            tcp.abort()
+
+    async def open(self, stream, peer: dict) -> Channel | None:
+        """Open the channel to ``peer``, both ends with this, on a TCP
+        ``stream`` of their own: the acceptor sends a port name (none for
+        another rank of its own job) and enters MPI at once; the connector
+        follows when it reads the port, if the acceptor is still there.
+        If MPI fails at either end, both say so, and give up on each other."""
+        process = peer["process"]
+        same_world = handshake.same_world(peer)
+        accepts = process_id() < process
+        timeout = parse_timedelta(config("channel-timeout"))
+        MPI, comm, error = get_mpi(), None, None
+        try:
+            if accepts:
+                id = secrets.randbits(63)
+                port = None if same_world else self.open_port()
+                try:
+                    await handshake.send(stream, {"port": port, "id": id})
+                except BaseException:
+                    if port is not None:
+                        self.close_port(port)
+                    raise
+            else:
+                msg = await handshake.recv(stream)
+                port, id = msg["port"], msg["id"]
+                acceptor = LocalPeer.find(peer)
+                if handshake.peer_gone(stream) or (acceptor and acceptor.died()):
+                    raise CommClosedError("the peer went away")
+            # No await from here on: the acceptor is waiting, or about to.
+            # MPI progresses every receive while it blocks here
+            ProgressEngine.current().drop_dead_senders()
+            if same_world:
+                comm, rank = _join(peer["world"][1], process_id() if accepts else process)
+            else:
+                comm, rank = self._meet(port, accepts, timeout), 0
+        except MPI.Exception as e:
+            error = e
+        if comm is not None:
+            channel = Channel(id, peer, comm, rank, accepts)
+            self._add(channel)  # before any message head can name it
+        try:
+            await handshake.send(stream, {"opened": error is None})
+            opened = (await handshake.recv(stream)).get("opened") is True
+        except BaseException:
+            if comm is not None:
+                self.release(channel, later=False)
+            raise
+        if error is None and opened:
+            if not same_world:
+                self._jobs.add(handshake.job(peer))
+            return channel
+        logger.warning(
+            "MPI could not connect this process to %s (%s): their comms move "
+            "their data over TCP from now on",
+            process,
+            error or "it failed at the other end",
+        )
+        self.give_up_on(process)
+        return None
+
+    def _meet(self, port: str, accepts: bool, timeout: float):
+        """Accept on ``port``, or connect to it; give up after ``timeout``
+        seconds (MPICH honours it; a peer that died in between would block
+        this process forever otherwise)"""
+        MPI = get_mpi()
+        info = MPI.Info.Create()
+        info.Set("timeout", str(max(1, round(timeout))))
+        try:
+            if accepts:
+                return MPI.COMM_SELF.Accept(port, info)
+            return MPI.COMM_SELF.Connect(port, info)
+        finally:
+            info.Free()
+            if accepts:
+                self.close_port(port)
+
+    def open_port(self) -> str:
+        """A port to accept one peer on, with a tag no other port is likely
+        to have.  MPICH (5.0, UCX netmod) gives every port of a process the
+        lowest free tag, 0 unless several are open, and matches the messages
+        of accept and connect by tag alone; an accept or connect that times
+        out leaves its receive posted, into memory it has freed, and the next
+        one to use that tag, in any pair of processes, would complete it
+        instead of its own."""
+        port = get_mpi().Open_port()
+        tag = 1 + secrets.randbelow(2**28 - 1)  # forks share random's state
+        unique = _MPICH_PORT_TAG.sub(f"tag#{tag}$", port, 1)
+        self._ports[unique] = port
+        return unique
+
+    def close_port(self, port: str) -> None:
+        get_mpi().Close_port(self._ports.pop(port, port))
+
+    def drain(self, MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
+        """At exit, receive the small frames left on channels to live peers
+        until nothing came for ``quiet`` seconds: UCX would print a warning
+        about each.  None from a dead peer: UCX would copy from it, and
+        abort this process."""
+        channels = [
+            c
+            for c in self._by_id.values()
+            if c.peer != process_id() and not (c.sender and c.sender.died())
+        ]
+        start = last = time.monotonic()
+        while time.monotonic() - last < quiet and time.monotonic() - start < limit:
+            for channel in channels:
+                if _receive_leftovers(MPI, channel, 65536):
+                    last = time.monotonic()
 
 
-def room_for(job: str) -> bool:
-    """Whether this process may connect to a process of ``job`` with MPI"""
-    return job in _jobs or not full()
+def _join(peer_rank: int, acceptor: str):
+    """A communicator of this rank and another of its own mpiexec job, made
+    by both of them alone; the peer's rank in it"""
+    world = get_mpi().COMM_WORLD
+    ranks = sorted([world.rank, peer_rank])
+    group = world.group.Incl(ranks)
+    try:
+        # Both ends derive the same tag, distinct for concurrent calls
+        tag = int.from_bytes(acceptor.encode()[-2:], "big") % 32768
+        comm = world.Create_group(group, tag)
+    finally:
+        group.Free()
+    return comm, ranks.index(peer_rank)
 
 
-def met(job: str) -> None:
-    """A channel to a process of ``job`` was opened with accept/connect"""
-    _jobs.add(job)
+def _receive_leftovers(MPI, channel: Channel, limit: int) -> bool:
+    """Receive what the peer sent that nobody received, up to ``limit``
+    bytes each (a larger one may wait for a sender that is gone).  Whether
+    any came."""
+    status, came = MPI.Status(), False
+    while message := channel.comm.Improbe(channel.rank, MPI.ANY_TAG, status):
+        nbytes = status.Get_count(MPI.BYTE)
+        if nbytes > limit:
+            break
+        message.Recv(bytearray(nbytes))
+        came = True
+    return came
 
 
 @functools.cache
@@ -262,54 +392,5 @@ def _warn_full() -> None:
     )
 
 
-def new_channel(peer: str, id: str | None = None) -> Channel:
-    """A channel to open to process ``peer``, which this process accepts
-    if its ``process_id()`` sorts first"""
-    role = ACCEPTOR if process_id() < peer else CONNECTOR
-    return Channel(id or uuid.uuid4().hex, peer, role)
-
-
-def open_port() -> str:
-    """A port to accept one peer on, with a tag no other port is likely to
-    have.  MPICH (5.0, UCX netmod) gives every port of a process the lowest
-    free tag, 0 unless several are open, and matches the messages of accept
-    and connect by tag alone; an accept or connect that times out leaves its
-    receive posted, into memory it has freed, and the next one to use that
-    tag, in any pair of processes, would complete it instead of its own."""
-    port = get_mpi().Open_port()
-    tag = 1 + secrets.randbelow(2**28 - 1)  # forks share random's state
-    unique = _MPICH_PORT_TAG.sub(f"tag#{tag}$", port, 1)
-    _ports[unique] = port
-    return unique
-
-
-def close_port(port: str) -> None:
-    get_mpi().Close_port(_ports.pop(port, port))
-
-
-def _receive_leftovers(MPI, comm, limit: int) -> bool:
-    """Receive what peers sent to comms closed here (their CLOSE heads), up to
-    ``limit`` bytes each (a larger one may wait for a sender that is gone):
-    UCX would keep them, and print a warning about each at exit.  Whether
-    any came."""
-    status, came = MPI.Status(), False
-    while message := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-        nbytes = status.Get_count(MPI.BYTE)
-        if nbytes > limit:
-            break
-        message.Recv(bytearray(nbytes))
-        came = True
-    return came
-
-
-def _drain(MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
-    """At exit, receive what is left until nothing came for ``quiet`` seconds:
-    a probe on one channel may bring in the message of another"""
-    start = last = time.monotonic()
-    while time.monotonic() - last < quiet and time.monotonic() - start < limit:
-        for channel in [*_channels.values(), *_freeing.values()]:
-            if _receive_leftovers(MPI, channel.comm, 65536):
-                last = time.monotonic()
-
-
-before_finalize(_drain)
+channels = Channels()
+before_finalize(channels.drain)

@@ -3,8 +3,9 @@
 Each message is the magic ``DASK-MPI``, a length (u32) and that many bytes of
 JSON.  The connector says hello (who it is, which MPI library, which
 ``mpiexec`` job and rank, whether it has a GPU and a CUDA-aware MPI); the
-listener answers with its own hello and the channel and tags the comm will
-use, or with why the two cannot talk over MPI.
+listener answers with its own hello, or with why the two cannot talk over MPI.
+A hello that says ``"open"`` asks for an MPI channel instead of a comm (see
+``distributed.comm.mpi_channel``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
 MAGIC = b"DASK-MPI"
-PROTOCOL = 4  # both ends must speak the same
+PROTOCOL = 5  # both ends must speak the same
 MAX_SIZE = 64 * 1024
 
 
@@ -62,6 +63,26 @@ async def recv(stream) -> dict:
     if not isinstance(msg, dict):
         raise FatalCommClosedError("the peer sent a malformed mpi:// handshake")
     return msg
+
+
+async def exchange(stream, mine: dict, may_open=None) -> dict:
+    """Say hello (``mine``) and hear the peer's: its hello, or ``Refused`` (listening)
+    or ``FatalCommClosedError`` (connecting) if the two cannot talk over MPI.
+    A listener gives ``may_open(hello)``: whether it opens a channel to a peer
+    that asks for one."""
+    listening = may_open is not None
+    if not listening:
+        await send(stream, mine)
+    peer = await recv(stream)
+    problem = peer.get("error") or incompatibility(peer)
+    if listening and problem:
+        await send(stream, {"error": problem})
+        raise Refused(problem)
+    if problem:
+        raise FatalCommClosedError(problem)
+    if listening:
+        await send(stream, {**mine, "open": bool(peer.get("open")) and may_open(peer)})
+    return peer
 
 
 def hello() -> dict:

@@ -1,4 +1,4 @@
-"""Drive outstanding MPI operations from the asyncio event loop.
+"""Drive the MPI transfers of an event loop.
 
 MPI only moves data when a process calls into it, so someone has to test the
 outstanding requests.  One :class:`ProgressEngine` per event loop does so
@@ -6,17 +6,12 @@ cooperatively, in short callbacks between the loop's other work (the MPI4Dask
 idea of ``Test()`` plus ``await asyncio.sleep(0)``), instead of a thread that
 would compete for the GIL.
 
-Polling costs CPU, so the engine adapts:
-
-- right after any progress it polls on every loop iteration for
-  ``busy-poll-time``, which keeps ping-pong latency low;
-- then it backs off exponentially, up to ``poll-interval`` between polls;
-- once only probes for new messages are left (no data in flight) and nothing
-  happened for ``idle-after``, it stops polling altogether.  A sender rings a
-  doorbell on the comm's TCP connection (see ``distributed.comm.mpi``) which
-  calls :meth:`ProgressEngine.wake`, so an idle process uses no CPU.
-
-``progress-mode: busy`` never stops polling, as MPI4Dask did.
+The engine polls only while a transfer is in flight: a message's head arrives
+on the comm's TCP connection, which wakes the event loop through the kernel,
+and its reader posts the receives of the frames (see ``distributed.comm.mpi``).
+Nothing polls while no data moves.  While data moves, the engine polls on
+every loop iteration for ``busy-poll-time`` after any progress, then backs off
+exponentially, up to ``poll-interval`` between polls.
 
 Before each call into MPI the engine cancels the receives from peer processes
 on this host that died (see ``distributed.comm.mpi_liveness``).
@@ -32,12 +27,27 @@ import dask
 from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_startup import config, get_mpi
+
+
+class Stalled(CommClosedError):
+    """A receive to which MPI delivered nothing for ``stall-timeout``"""
+
+
+class _Transfer:
+    __slots__ = ("requests", "keepalive", "sender", "stall_after", "last")
+
+    def __init__(self, requests, keepalive, sender, stall_after, now):
+        self.requests = requests
+        self.keepalive = keepalive  # the buffers, until MPI is done with them
+        self.sender = sender  # a LocalPeer this receives from
+        self.stall_after = stall_after
+        self.last = now  # when a request of it last completed
 
 
 class ProgressEngine:
-    """Tests the MPI requests and matched probes of one event loop"""
+    """Tests the MPI requests of one event loop while any is pending"""
 
     _engines: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
@@ -51,87 +61,84 @@ class ProgressEngine:
             return engine
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.busy = config("progress-mode") == "busy"
         self.busy_poll_time = parse_timedelta(config("busy-poll-time"))
         self.poll_interval = parse_timedelta(config("poll-interval"))
-        self.idle_after = parse_timedelta(config("idle-after"))
+        self.stall_timeout = parse_timedelta(config("stall-timeout"))
         self.orphan_timeout = parse_timedelta(
             dask.config.get("distributed.comm.timeouts.connect")
         )
         self._MPI = get_mpi()
         # A proxy: the engines' dict must not keep closed loops alive
         self._loop = weakref.proxy(loop)
-        # future -> (requests, objects that must stay alive until they complete)
-        self._transfers: dict[asyncio.Future, tuple[list, Any]] = {}
-        # future -> (communicator, source, tag)
-        self._probes: dict[asyncio.Future, tuple[Any, int, int]] = {}
-        # future of a receive -> the LocalPeer it receives from
-        self._senders: dict[asyncio.Future, LocalPeer] = {}
-        # requests of cancelled transfers: MPI may still touch their buffers
+        self._transfers: dict[asyncio.Future, _Transfer] = {}
+        # requests of abandoned transfers: MPI may still touch their buffers
         self._orphans: list[tuple[list, Any, float]] = []
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
         self._delay = 0.0
 
-    def transfer(
-        self, requests: list, keepalive: Any = None, sender: LocalPeer | None = None
-    ) -> asyncio.Future:
-        """A future that is done when all ``requests`` have completed.
+    def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
+        """A future that is done when all ``requests`` have completed;
+        ``keepalive`` (their buffers) is referenced until then"""
+        return self._add(requests, keepalive, None, None)
 
-        ``keepalive`` (the buffers of the requests) is referenced until then.
-        Receives from a ``sender`` fail should it die.
-        """
+    def receive(
+        self, requests: list, keepalive: Any, sender: LocalPeer | None
+    ) -> asyncio.Future:
+        """Like :meth:`transfer`, for receives from a peer, which fail should
+        the ``sender`` (on this host) die.  The peer posted its sends as it
+        wrote the message's head, so a receive that gets nothing for
+        ``stall-timeout`` means that MPI stopped delivering: it fails with
+        :class:`Stalled`"""
+        return self._add(requests, keepalive, sender, self.stall_timeout)
+
+    def _add(self, requests, keepalive, sender, stall_after) -> asyncio.Future:
         fut = self._loop.create_future()
-        self._transfers[fut] = (requests, keepalive)
-        if sender is not None:
-            self._senders[fut] = sender
-            fut.add_done_callback(self._senders.pop)
-        # Just before MPI may start to copy: the less time in between, the
-        # smaller the chance that a sender dies unseen
-        self.drop_dead_senders()
-        if fut.done():
-            return fut
+        self.drop_dead_senders()  # just before MPI may start to copy
         if self._MPI.Request.Testall(requests):
-            del self._transfers[fut]
             fut.set_result(None)
-        else:
-            self.wake()
+            return fut
+        entry = _Transfer(requests, keepalive, sender, stall_after, self._loop.time())
+        self._transfers[fut] = entry
+        self.wake()
         return fut
 
     def orphan(self, requests: list, keepalive: Any = None) -> None:
         """Let ``requests`` complete in their own time, keeping ``keepalive``
-        until they do, without anyone waiting or the engine polling for them.
-        Those still pending after the connect timeout are cancelled: nobody
-        will receive them (a send to this same process is only complete once
-        received)."""
+        until they do, without anyone waiting.  Those still pending after the
+        connect timeout are cancelled: nobody will match them."""
         deadline = self._loop.time() + self.orphan_timeout
         self._orphans.append((requests, keepalive, deadline))
-
-    def probe(self, comm, source: int, tag: int) -> asyncio.Future:
-        """A future for ``(message, nbytes)``: the next message matching
-        ``source`` and ``tag`` on ``comm``, removed from MPI's matching queue"""
-        fut = self._loop.create_future()
-        self._probes[fut] = (comm, source, tag)
         self.wake()
-        return fut
 
     def cancel(self, fut: asyncio.Future, exc: BaseException) -> None:
-        """Abandon a transfer or probe, failing it with ``exc``: cancel its
-        requests, and keep their buffers until MPI is done with them"""
-        self._probes.pop(fut, None)
+        """Abandon a transfer, failing it with ``exc``: cancel its requests,
+        and keep their buffers until MPI is done with them"""
         entry = self._transfers.pop(fut, None)
         if entry is not None:
-            for request in entry[0]:
+            for request in entry.requests:
                 try:
                     request.Cancel()
                 except self._MPI.Exception:
                     pass  # completed already, or not cancellable
-            self.orphan(*entry)
+            self.orphan(entry.requests, entry.keepalive)
         if not fut.done():
             fut.set_exception(exc)
+            fut.exception()  # retrieved: a read posted ahead may never be awaited
+
+    def abandon(self, fut: asyncio.Future) -> None:
+        """Stop waiting for a transfer, and let it complete in its own time
+        (see :meth:`orphan`)"""
+        entry = self._transfers.pop(fut, None)
+        if entry is not None:
+            self.orphan(entry.requests, entry.keepalive)
+
+    def pending(self) -> int:
+        """How many transfers and abandoned ones are not complete"""
+        return len(self._transfers) + len(self._orphans)
 
     def wake(self) -> None:
-        """Poll soon: something was posted, or a peer rang the doorbell"""
+        """Poll soon: something was posted"""
         self._last_progress = self._loop.time()
         self._delay = 0.0
         if isinstance(self._handle, asyncio.TimerHandle):
@@ -142,87 +149,66 @@ class ProgressEngine:
 
     def _poll(self) -> None:
         self._handle = None
-        progressed = self._test_transfers() | self._test_probes()
-        if self._orphans:
-            self._test_orphans()
-
         now = self._loop.time()
-        if progressed:
+        if self._test_transfers(now):
             self._last_progress = now
             self._delay = 0.0
-        if not self._transfers and not self._probes:
-            return
-        quiet = now - self._last_progress
-        if self.busy or quiet < self.busy_poll_time:
+        if self._orphans:
+            self._test_orphans(now)
+        if not self._transfers and not self._orphans:
+            return  # nothing in flight: sleep until something is posted
+        if not self._transfers:
+            # Only abandoned ones, which nobody waits for
+            self._handle = self._loop.call_later(0.1, self._poll)
+        elif now - self._last_progress < self.busy_poll_time:
             self._handle = self._loop.call_soon(self._poll)
-        elif self._transfers or quiet < self.idle_after:
+        else:
             self._delay = min(max(2 * self._delay, 1e-5), self.poll_interval)
             self._handle = self._loop.call_later(self._delay, self._poll)
-        # else: only waiting for new messages, and idle: sleep until woken
 
     def drop_dead_senders(self) -> None:
         """Cancel the receives from senders that died: before every call into
-        MPI, any of which may copy from any of them (a poll makes several)"""
-        if not self._senders:
-            return
-        peers = {peer.pid: peer for peer in self._senders.values()}
-        dead = {pid for pid, peer in peers.items() if peer.died()}
-        if not dead:
-            return
-        for fut, peer in list(self._senders.items()):
-            if peer.pid in dead and not fut.done():
+        MPI, any of which may copy from any of them"""
+        dead: dict[int, bool] = {}
+        for fut, entry in list(self._transfers.items()):
+            peer = entry.sender
+            if peer is None:
+                continue
+            if peer.pid not in dead:
+                dead[peer.pid] = peer.died()
+            if dead[peer.pid]:
                 self.cancel(fut, CommClosedError("the peer process died"))
 
-    def _test_transfers(self) -> bool:
+    def _test_transfers(self, now: float) -> bool:
         # Any completed request counts as progress: frames are sent in chunks,
         # so the engine keeps polling without sleeping while data flows.
         progressed = False
-        for fut, (requests, _) in list(self._transfers.items()):
+        for fut, entry in list(self._transfers.items()):
             self.drop_dead_senders()
             if fut not in self._transfers:
                 continue  # its sender died
             try:
-                completed = self._MPI.Request.Testsome(requests)
+                completed = self._MPI.Request.Testsome(entry.requests)
             except self._MPI.Exception as e:
                 del self._transfers[fut]
-                if not fut.done():
-                    fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+                fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
                 progressed = True
                 continue
-            if completed:
-                progressed = True
             # Testsome set the completed requests to MPI_REQUEST_NULL (falsy);
             # it returns None once none is left active
-            if completed is None or (completed and not any(requests)):
+            if completed is None or (completed and not any(entry.requests)):
                 del self._transfers[fut]
                 if not fut.done():
                     fut.set_result(None)
                 progressed = True
-        return progressed
-
-    def _test_probes(self) -> bool:
-        progressed = False
-        for fut, (comm, source, tag) in list(self._probes.items()):
-            if fut.cancelled():
-                # Nobody wants the message any more: leave it in MPI's queue
-                del self._probes[fut]
-                continue
-            status = self._MPI.Status()
-            self.drop_dead_senders()
-            try:
-                message = comm.Improbe(source, tag, status)
-            except self._MPI.Exception as e:
-                del self._probes[fut]
-                fut.set_exception(CommClosedError(f"MPI probe failed: {e}"))
-                continue
-            if message is not None:
-                del self._probes[fut]
-                fut.set_result((message, status.Get_count(self._MPI.BYTE)))
+            elif completed:
+                entry.last = now
                 progressed = True
+            elif entry.stall_after and now - entry.last > entry.stall_after:
+                self.cancel(fut, Stalled("MPI delivered nothing"))
         return progressed
 
-    def _test_orphans(self) -> None:
-        now = self._loop.time()
+    def _test_orphans(self, now: float) -> None:
         pending = []
         for requests, keepalive, deadline in self._orphans:
             self.drop_dead_senders()

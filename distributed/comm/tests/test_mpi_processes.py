@@ -19,7 +19,7 @@ import dask
 
 from distributed import Client, Scheduler
 from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
-from distributed.comm.mpi import State
+from distributed.comm.mpi import Head
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
@@ -45,7 +45,7 @@ async def test_round_trips_with_an_mpiexec_process(server):
     for msg in [{"op": "ping"}, b"x" * 100_000, tuple(range(100))]:
         await comm.write(msg)
         assert await comm.read() == msg
-    for size in [0, 1, 1000, 10_000_000]:
+    for size in [0, 1, 1000, 10_000_000, 10_000_000]:
         array = np.random.randint(0, 100, size)
         await comm.write({"x": to_serialize(array)})
         np.testing.assert_array_equal((await comm.read())["x"], array)
@@ -87,6 +87,7 @@ def test_separate_mpiexec_jobs(server):
     address, _ = server
     out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
+    assert "over MPI" in out
 
 
 @pytest.fixture
@@ -114,56 +115,62 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_po
     address, _ = server
     out = run_mpiexec([*PEER, "ping-astray", idle_port, address])
     assert out.count("ping ok") == 2, out
-    assert out.count("messages over TCP from now on") == 1, out
+    assert "over MPI" not in out
+    assert out.count("over TCP from now on") == 1, out
     # The server goes on serving others over MPI
     out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
+    assert "over MPI" in out
     assert "over TCP" not in out
 
 
+async def open_channel(comm) -> mpi_channel.Channel:
+    """Write large frames until the comm's data moves over an MPI channel"""
+    array = np.arange(100_000)
+    for _ in range(100):
+        await comm.write({"op": "sum", "x": to_serialize(array)})
+        assert (await comm.read())["sum"] == array.sum()
+        if comm.channel is not None:
+            return comm.channel
+        await asyncio.sleep(0.05)
+    raise AssertionError("no MPI channel opened")
+
+
 @gen_test(timeout=120)
-async def test_comms_go_over_tcp_when_mpi_stops_delivering(tmp_path, monkeypatch):
-    """A message that MPI never delivers (as when a killed process left UCX's
-    shared-memory queue of the receiver blocked) does not stall the receiver:
-    after stall-timeout the comms of the two processes go over TCP, and the
-    message is written again there"""
+async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
+    tmp_path, monkeypatch
+):
+    """A frame that MPI never delivers (as when a killed process left UCX's
+    shared-memory queue of the receiver blocked) does not stall the receiver
+    for good: after stall-timeout its comm closes, and the two processes move
+    their data over TCP from then on"""
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "2s")
     path = str(tmp_path / "address")
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     with mpiexec([*PEER, "serve", path], **output) as proc:
         address = wait_for_file(path, proc)
         comm = await connect(address)
-        other = await connect(address)  # over the same MPI channel
-        for c in (comm, other):
-            await c.write("over MPI")
-            assert await c.read() == "over MPI"
-        pending = asyncio.ensure_future(other.read())
-        # A real MPI message, on a tag the server never receives on
-        MPI = mpi_startup.get_mpi()
-        comm._route = comm._route._replace(send_tag=MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
-        array = np.arange(10)  # small, sent at once: MPI's part is done
-        await comm.write({"op": "sum", "x": to_serialize(array)})
-        got = await asyncio.wait_for(comm.read(), 30)
-        assert got["sum"] == array.sum()
-        assert comm.state is State.ON_TCP
-        # The other comm of the pair, waiting in a read, goes on over TCP too
-        await other.write("over TCP")
-        assert await pending == "over TCP"
-        assert other.state is State.ON_TCP
-        # ... and so does a new one
+        channel = await open_channel(comm)
+        # A head that names a frame over MPI which is never sent
+        head = Head(False, channel.id, channel.tag(), [(0, 100_000, 0)])
+        comm._tcp.write_frames([head.pack()])
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 30)
+        # The next comm hears that the server gave up on MPI with this process
         new = await connect(address)
-        assert new.state is State.ON_TCP
-        await new.write("new")
-        assert await new.read() == "new"
-        await asyncio.gather(*(c.close() for c in (comm, other, new)))
+        array = np.arange(100_000)
+        for _ in range(3):
+            await new.write({"op": "sum", "x": to_serialize(array)})
+            assert (await new.read())["sum"] == array.sum()
+        assert new.channel is None
+        await new.close()
         # The server goes on serving others over MPI
         out = run_mpiexec([*PEER, "ping", address])
         assert "ping ok" in out
-        assert "over TCP" not in out
+        assert "over MPI" in out
         proc.stop()
         out = proc.stdout.read()
-    assert "MPI delivered nothing from" in out, out
-    assert out.count("messages over TCP from now on") == 1, out
+    assert out.count("MPI stopped delivering") == 1, out
 
 
 @pytest.mark.slow
@@ -192,12 +199,9 @@ def test_ranks_behind_a_wrapper_script_know_they_are_one_job():
 
 
 def held_by_mpi() -> tuple:
-    """What this process holds for its peers: its channels and what they
-    are known by, and its progress engine's requests, probes and senders"""
-    engine = ProgressEngine.current()
-    tables = [mpi_channel._channels, mpi_channel._latest, mpi_channel._addresses]
-    tables += [engine._transfers, engine._probes, engine._senders, engine._orphans]
-    return tuple(map(len, tables))
+    """What this process holds for its peers: its channels, and its progress
+    engine's transfers"""
+    return len(mpi_channel.channels), ProgressEngine.current().pending()
 
 
 @gen_test(timeout=240)
@@ -236,14 +240,16 @@ async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkey
     """MPICH aborts a process that connects to its 1024th job: past
     MAX_JOBS, processes of new jobs are met over TCP, with one warning"""
     address, _ = server
-    monkeypatch.setattr(mpi_channel, "MAX_JOBS", len(mpi_channel._jobs))
+    monkeypatch.setattr(mpi_channel, "MAX_JOBS", len(mpi_channel.channels._jobs))
     mpi_channel._warn_full.cache_clear()
     with captured_logger("distributed.comm.mpi_channel") as log:
-        comm = await connect(address)
-        await comm.write({"x": to_serialize(np.arange(1000))})
-        assert (await comm.read())["x"].sum() == np.arange(1000).sum()
-        assert comm.state is State.ON_TCP
-        await comm.close()
-        comm = await connect(address)
-        await comm.close()
+        for _ in range(2):
+            comm = await connect(address)
+            array = np.arange(100_000)
+            for _ in range(3):
+                await comm.write({"op": "sum", "x": to_serialize(array)})
+                assert (await comm.read())["sum"] == array.sum()
+                await asyncio.sleep(0.1)
+            assert comm.channel is None
+            await comm.close()
     assert log.getvalue().count("the most that MPICH allows one process") == 1
