@@ -247,8 +247,9 @@ class MPI(Comm):
         except BaseException:
             self.abort()  # cancelled half-way: the stream's position is unknown
             raise
-        for (index, _, _), frame in zip(head.frames, received):
+        for (index, size, _), frame in zip(head.frames, received):
             frames.insert(index, frame)
+            channel.nbytes += size
         return frames
 
     async def _await(self, fut: asyncio.Future):
@@ -325,7 +326,9 @@ class MPI(Comm):
             raise CommClosedError(f"{self}: MPI error while writing: {e}") from e
         # Like a TCP comm's write, return once the message is queued: the
         # engine keeps the frames until MPI has sent them
-        return nbytes + sum(map(mpi_gpu.nbytes, over_mpi))
+        sent = sum(size for _, size, _ in head.frames)
+        channel.nbytes += sent
+        return nbytes + sent
 
     def _poster(self, channel: Channel, tag: int, receive: bool):
         """A function that posts the transfer of some chunks of a message,

@@ -78,6 +78,7 @@ class Channel:
         self.comm = comm
         self.rank = rank  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
+        self.nbytes = 0  # of the frames it moved, both ways
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 2
         # Each end tags from its own half of the tag space.  MPI reuses the
@@ -116,6 +117,10 @@ class Channels:
         if peer == process_id():
             return self._self_channel()
         return self._open.get(peer)
+
+    def to_others(self) -> list[Channel]:
+        """The open channels to other processes"""
+        return [c for c in self._open.values() if c.peer != process_id()]
 
     def by_id(self, id: int) -> Channel | None:
         """The channel a message head names"""

@@ -23,10 +23,15 @@ np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
 from distributed import Client, LocalCluster, Scheduler
-from distributed.comm import get_address_host
+from distributed.comm import get_address_host, mpi_channel
 from distributed.utils import open_port
 from distributed.utils_test import gen_test
-from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
+from distributed.comm.tests.mpi_processes import (
+    moved_over_mpi,
+    mpiexec,
+    run_mpiexec,
+    wait_for_file,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,10 +47,17 @@ def scheduler_and_workers(
 
 
 def assert_moves_data(client) -> None:
-    """Compute something that needs data from other workers; check the result"""
+    """Compute something that needs data from other workers; check the result,
+    and that data moved over MPI (once a channel opened, after the first
+    large frame between two workers)"""
     x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
     expected = (x + x.T).sum().compute(scheduler="sync")
-    assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
+    for _ in range(10):
+        assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
+        if sum(client.run(moved_over_mpi).values()) > 0:
+            break
+    else:
+        raise AssertionError("no data moved over MPI between workers")
     assert sum(transfers(client).values()) > 0, "no data moved between workers"
 
 
@@ -344,3 +356,24 @@ async def test_signalled_worker_exits_quietly(worker_class, sig):
                 await worker.wait()
     assert worker.returncode == 0, stderr.decode()
     assert stdout == b""
+
+
+@gen_test(timeout=120)
+async def test_scheduler_exchanging_only_control_messages_holds_no_channel():
+    """Workers move data between them over MPI; the scheduler and the client,
+    which only exchange small messages with them, open no MPI channel, so
+    MPICH's per-connection memory and its limit of jobs do not apply to them"""
+    worker = ["-m", "distributed.cli.dask_worker", "--no-nanny", "--nthreads", "1"]
+    async with Scheduler(protocol="mpi", port=0, dashboard_address=":0") as s:
+        with mpiexec(["-n", "2", *worker, "--no-dashboard", s.address]):
+            async with Client(s.address, asynchronous=True) as c:
+                await c.wait_for_workers(2)
+                a, b = s.workers
+                for i in range(5):
+                    x = c.submit(np.full, 2**20, i, workers=[a], pure=False)
+                    y = c.submit(np.sum, x, workers=[b])
+                    assert await y == i * 2**20
+                moved = await c.run(moved_over_mpi)
+                assert moved[a] > 0 and moved[b] > 0
+                assert mpi_channel.channels.to_others() == []
+                await c.shutdown()

@@ -111,3 +111,11 @@ def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str
         time.sleep(0.05)
     with open(path) as f:
         return f.read()
+
+
+def moved_over_mpi() -> int:
+    """Bytes of frames this process moved over MPI to and from others (for
+    ``client.run``: workers import it from here)"""
+    from distributed.comm.mpi_channel import channels
+
+    return sum(channel.nbytes for channel in channels.to_others())
