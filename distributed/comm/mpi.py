@@ -300,6 +300,10 @@ class MPI(Comm):
         self._use(channel)
         tag = channel.tag()
         over_mpi = [frames[i] for i in large]
+        # Like a TCP comm's write, return once the message is queued: the
+        # engine keeps the frames until MPI has sent them
+        sent = sum(map(mpi_gpu.nbytes, over_mpi))
+        channel.nbytes += sent
         head = Head(
             False,
             channel.id,
@@ -307,15 +311,20 @@ class MPI(Comm):
             [(i, mpi_gpu.nbytes(f), mpi_gpu.location(f)) for i, f in zip(large, over_mpi)],
         )
         inline = [f for i, f in enumerate(frames) if i not in set(large)]
-        device = [f for f in over_mpi if mpi_gpu.is_device(f)]
-        if device:
-            mpi_gpu.synchronize(device)  # their producers are done
+        staged = self._route.gpu == "staged" and any(map(mpi_gpu.is_device, over_mpi))
+        if any(map(mpi_gpu.is_device, over_mpi)):
+            mpi_gpu.synchronize(over_mpi)  # their producers are done
         post = self._poster(channel, tag, receive=False)
         try:
+            if not staged:
+                # Sends first: MPI moves the data while the head travels
+                sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
+                post([chunk for chunks in sends for chunk in chunks])
+                return self._tcp.write_frames([head.pack(), *inline]) + sent
             async with self._posting:  # a staged frame posts as it goes
                 nbytes = self._tcp.write_frames([head.pack(), *inline])
                 for frame in over_mpi:
-                    if mpi_gpu.is_device(frame) and self._route.gpu == "staged":
+                    if mpi_gpu.is_device(frame):
                         await mpi_gpu.send_staged(
                             frame, self._route.chunk_size, lambda slot: post([slot])
                         )
@@ -324,10 +333,9 @@ class MPI(Comm):
         except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while writing: {e}") from e
-        # Like a TCP comm's write, return once the message is queued: the
-        # engine keeps the frames until MPI has sent them
-        sent = sum(size for _, size, _ in head.frames)
-        channel.nbytes += sent
+        except BaseException:
+            self.abort()  # the peer cannot tell what was sent
+            raise
         return nbytes + sent
 
     def _poster(self, channel: Channel, tag: int, receive: bool):

@@ -126,7 +126,7 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_po
 
 async def open_channel(comm) -> mpi_channel.Channel:
     """Write large frames until the comm's data moves over an MPI channel"""
-    array = np.arange(100_000)
+    array = np.arange(300_000)
     for _ in range(100):
         await comm.write({"op": "sum", "x": to_serialize(array)})
         assert (await comm.read())["sum"] == array.sum()
@@ -152,13 +152,13 @@ async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
         comm = await connect(address)
         channel = await open_channel(comm)
         # A head that names a frame over MPI which is never sent
-        head = Head(False, channel.id, channel.tag(), [(0, 100_000, 0)])
+        head = Head(False, channel.id, channel.tag(), [(0, 2_400_000, 0)])
         comm._tcp.write_frames([head.pack()])
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 30)
         # The next comm hears that the server gave up on MPI with this process
         new = await connect(address)
-        array = np.arange(100_000)
+        array = np.arange(300_000)
         for _ in range(3):
             await new.write({"op": "sum", "x": to_serialize(array)})
             assert (await new.read())["sum"] == array.sum()
@@ -245,7 +245,7 @@ async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkey
     with captured_logger("distributed.comm.mpi_channel") as log:
         for _ in range(2):
             comm = await connect(address)
-            array = np.arange(100_000)
+            array = np.arange(300_000)
             for _ in range(3):
                 await comm.write({"op": "sum", "x": to_serialize(array)})
                 assert (await comm.read())["sum"] == array.sum()
