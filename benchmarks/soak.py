@@ -73,11 +73,12 @@ def _registries():
     mod = sys.modules.get("distributed.comm.mpi_channel")
     if mod is None:
         return None
-    names = ["_channels", "_latest", "_addresses", "_unreachable", "_ports", "_jobs"]
-    sizes = {name.strip("_"): len(getattr(mod, name)) for name in names}
-    # The progress engines' tables: requests, probes and senders in flight
+    channels = mod.channels
+    names = ["_open", "_by_id", "_opening", "_unreachable", "_ports", "_jobs"]
+    sizes = {name.strip("_"): len(getattr(channels, name)) for name in names}
+    # The progress engines' transfers in flight, and abandoned ones
     engines = sys.modules["distributed.comm.mpi_progress"].ProgressEngine._engines
-    for name in ["_transfers", "_probes", "_senders", "_orphans"]:
+    for name in ["_transfers", "_orphans"]:
         sizes["engine" + name] = sum(len(getattr(e, name)) for e in engines.values())
     return sizes
 
@@ -508,8 +509,8 @@ def summarize(samples: list[dict], cycles: list[dict], shm: dict) -> dict:
         for key in ["rss", "fds", "threads", "maps", "shm_maps", "pool_open"]:
             a, b = first.get(role, {}).get(key), last.get(role, {}).get(key)
             r[key] = [a, b]
-        a = (first.get(role, {}).get("mpi") or {}).get("channels")
-        b = (last.get(role, {}).get("mpi") or {}).get("channels")
+        a = (first.get(role, {}).get("mpi") or {}).get("by_id")
+        b = (last.get(role, {}).get("mpi") or {}).get("by_id")
         r["mpi_channels"] = [a, b]
         out[role] = r
     out["shm_files_left"] = len(shm["new_unheld"])
@@ -543,7 +544,7 @@ def plot(results: dict, out: str) -> None:
             fds.plot(xs, series("fds"), ls, color=c, label=label)
             if protocol == "mpi":
                 ch = [
-                    (s.get(role, {}).get("mpi") or {}).get("channels", float("nan"))
+                    (s.get(role, {}).get("mpi") or {}).get("by_id", float("nan"))
                     for s in samples
                 ]
                 chan.plot(xs, ch, ls, color=c, label=f"{label} channels")

@@ -108,13 +108,13 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
     # The processes this one gave up on use TCP with it, at both ends
     mine = {**handshake.hello(), "unreachable": channels.unreachable()}
     try:
-        peer = await handshake.exchange(stream, mine, None if dial else _may_open)
+        peer = await handshake.exchange(stream, mine, None if dial else channels.may_open)
     except FatalCommClosedError as e:  # a refusal, at the connecting end
         message = f"Cannot connect to {dial}: {e}"
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
     if peer.get("open") and dial is None:
-        if _may_open(peer):
+        if channels.may_open(peer):
             await channels.open(stream, peer)
         return None
     if mpi_startup.process_id() in peer.get("unreachable", ()):
@@ -126,12 +126,6 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         parse_bytes(config("inline-size")),
         # Open MPI 5 has no large-count calls: keep each message below 2 GiB
         min(parse_bytes(config("chunk-size")), 2**31 - 1),
-    )
-
-
-def _may_open(peer: dict) -> bool:
-    return channels.reachable(peer["process"]) and channels.room_for(
-        handshake.job(peer)
     )
 
 

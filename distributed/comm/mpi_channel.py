@@ -215,13 +215,21 @@ class Channels:
         _warn_full()
         return False
 
+    def may_open(self, peer: dict) -> bool:
+        """Whether to open a channel to the process of this hello"""
+        return (
+            self.reachable(peer["process"])
+            and not handshake.pid_isolated(peer)
+            and self.room_for(handshake.job(peer))
+        )
+
     def open_soon(self, address: str, peer: dict) -> None:
         """Open a channel to the process listening at ``address``, in the
         background, unless one is open or opening"""
         process = peer["process"]
         if process in self._open or process in self._opening:
             return
-        if not self.reachable(process) or not self.room_for(handshake.job(peer)):
+        if not self.may_open(peer):
             return
         task = asyncio.ensure_future(self._dial(address, peer))
         self._opening[process] = task

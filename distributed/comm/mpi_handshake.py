@@ -17,7 +17,7 @@ import struct
 
 from distributed.comm import mpi_gpu, mpi_startup
 from distributed.comm.core import FatalCommClosedError
-from distributed.comm.mpi_liveness import beacon
+from distributed.comm.mpi_liveness import beacon, pid_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ def hello() -> dict:
         "library": mpi_startup.library(),
         "world": mpi_startup.world(),
         "beacon": beacon(),
+        "pid_namespace": pid_namespace(),
         "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 
@@ -124,6 +125,14 @@ def incompatibility(peer: dict) -> str | None:
             "(dask-mpi: --worker-class distributed.Worker), or use MPICH"
         )
     return None
+
+
+def pid_isolated(peer: dict) -> bool:
+    """Whether the peer runs on this host in another PID namespace (a
+    container sharing the host's name): MPICH 5.0 with UCX crashes opening a
+    channel to it, so the two talk over TCP alone"""
+    host = peer["process"].split("/", 1)[0]
+    return host == socket.gethostname() and peer.get("pid_namespace") != pid_namespace()
 
 
 def job(peer: dict) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import socket
 import sys
 
@@ -32,6 +33,16 @@ _BEACON = ctypes.c_char(b"\x01")
 def beacon() -> int:
     """The address to name in the handshake"""
     return ctypes.addressof(_BEACON)
+
+
+def pid_namespace() -> int | None:
+    """This process's PID namespace, to name in the handshake: UCX copies
+    from a peer's memory only in the same one (it compares them), and
+    process_vm_readv could not find the peer's pid outside it"""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 class LocalPeer:
@@ -53,6 +64,8 @@ class LocalPeer:
             return None
         if host != socket.gethostname() or hello["process"] == process_id():
             return None
+        if hello.get("pid_namespace") != pid_namespace():
+            return None  # a container on this host: UCX does not read it
         return cls(int(pid), address)
 
     def died(self) -> bool:

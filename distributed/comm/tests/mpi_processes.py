@@ -75,13 +75,14 @@ class Job(subprocess.Popen):
 
 
 @contextlib.contextmanager
-def mpiexec(args: list[str], **kwargs):
-    """Run ``mpiexec <args>``, where ``-m module`` runs with this Python;
-    stop the whole job on exit"""
+def mpiexec(args: list[str], prefix: list[str] = (), **kwargs):
+    """Run ``mpiexec <args>``, where ``-m module`` runs with this Python,
+    behind a ``prefix`` command if given; stop the whole job on exit"""
     args = [
         a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])
     ]
-    job = Job([mpiexec_command(), *args], env=_env(), start_new_session=True, **kwargs)
+    command = [*prefix, mpiexec_command(), *args]
+    job = Job(command, env=_env(), start_new_session=True, **kwargs)
     with job:  # and its pipes closed
         try:
             yield job

@@ -83,6 +83,31 @@ async def test_killed_peer_fails_pending_read(server):
         await comm.write("anyone?")
 
 
+def _can_unshare_pid() -> bool:
+    try:
+        return subprocess.run(UNSHARE_PID + ["true"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+UNSHARE_PID = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare --pid (root)")
+def test_peer_on_this_host_in_another_pid_namespace(tmp_path):
+    """Containers on one host that share its name (Docker's --network host,
+    Apptainer with --pid): the peer's pid means nothing here, so the liveness
+    check must not take it for dead; and MPICH 5.0 with UCX crashes opening a
+    channel between them (segfault in MPI_Comm_accept), so they use TCP"""
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve", path], prefix=UNSHARE_PID) as proc:
+        address = wait_for_file(path, proc)
+        out = run_mpiexec([*PEER, "ping", address])
+        assert "ping ok" in out
+        assert "over MPI" not in out
+        assert proc.poll() is None  # the server lives
+
+
 def test_separate_mpiexec_jobs(server):
     address, _ = server
     out = run_mpiexec([*PEER, "ping", address])
