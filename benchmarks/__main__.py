@@ -4,6 +4,8 @@
 
 Each benchmark runs alone (they would disturb each other's timings); all of
 them measure tcp:// and mpi:// (and ucx:// where installed) in the same run.
+A benchmark that fails does not stop the others; the command then exits with
+an error after the summary.
 """
 
 import os
@@ -21,9 +23,12 @@ if __name__ == "__main__":
         if "--out" in args
         else os.path.join(HERE, "results")
     )
-    for name in ["pingpong", "pauses", "connect", "idle", "apps"]:
+    failed = []
+    for name in ["pingpong", "pauses", "connect", "idle", "apps", "workloads"]:
         print(f"== {name}", flush=True)
-        subprocess.run(
-            [sys.executable, os.path.join(HERE, f"{name}.py"), *args], check=True
-        )
+        done = subprocess.run([sys.executable, os.path.join(HERE, f"{name}.py"), *args])
+        if done.returncode:
+            failed.append(name)
     report.main(out)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")

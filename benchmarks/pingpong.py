@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from processes import MPIEXEC, kill, launch, wait_for_file
+from processes import MPIEXEC, kill, launch, stop, wait_for_file
 
 HERE = os.path.abspath(__file__)
 
@@ -123,13 +123,24 @@ def run_client(client) -> None:
     print(json.dumps(result), flush=True)
 
 
-def run_protocol(protocol: str, quick: bool, client_script: str = HERE) -> dict:
-    """The client's figures, with this script's echoing server; the client
-    is ``client_script client ADDRESS``"""
+def run_protocol(
+    protocol: str,
+    quick: bool,
+    client_script: str = HERE,
+    server_script: str = HERE,
+    server_args: tuple[str, ...] = (),
+) -> dict:
+    """The client's figures, with an echoing server (``server_script serve
+    PROTOCOL PATH *server_args``: this script's, by default); the client is
+    ``client_script client ADDRESS``"""
     mpi = protocol == "mpi"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "address")
-        server = launch([HERE, "serve", protocol, path], mpi)
+        server = launch(  # stdout: mpiexec's banner when it is stopped
+            [server_script, "serve", protocol, path, *server_args],
+            mpi,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             address = wait_for_file(path, server)
             args = [client_script, "client", address] + (["--quick"] if quick else [])
@@ -137,7 +148,7 @@ def run_protocol(protocol: str, quick: bool, client_script: str = HERE) -> dict:
             stdout, _ = client_proc.communicate(timeout=1800)
             return json.loads(stdout.strip().splitlines()[-1])
         finally:
-            kill(server)
+            stop(server)
 
 
 def run_one_job(quick: bool) -> dict:

@@ -28,6 +28,17 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """:func:`kill`, but an mpiexec is asked first (SIGTERM: it ends its ranks
+    and removes its hwloc file in /tmp, which SIGKILL leaves behind; it prints
+    a "BAD TERMINATION" banner on its stdout)"""
+    if proc.poll() is None and proc.args[0] == MPIEXEC:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+    kill(proc)
+
+
 def wait_for_file(path: str, proc: subprocess.Popen | None, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):

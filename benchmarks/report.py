@@ -44,8 +44,58 @@ def pingpong_lines(pp: dict) -> list[str]:
     return lines
 
 
-def targets(pp: dict | None, apps: dict | None, idle: dict | None) -> list[str]:
+def workload_ratios(wl: dict) -> dict[tuple[str, str], float]:
+    """mpi/tcp of each (mode, workload) measured on both protocols"""
+    return {
+        (mode, name): row["mpi/tcp"]
+        for mode, table in wl["workloads"].items()
+        for name, row in table.items()
+        if "mpi/tcp" in row
+    }
+
+
+def pause_ratios(pauses: dict, key: str) -> dict[str, float]:
+    """mpi/tcp by gap (ms) of ``round_trip`` or ``round_trip_busy``"""
+    tcp, mpi = pauses[key]["tcp://"], pauses[key]["mpi://"]
+    return {f"{float(g) * 1e3:g} ms": mpi[g] / tcp[g] for g in tcp}
+
+
+def worst(ratios: dict) -> str:
+    key = max(ratios, key=ratios.get)
+    name = " ".join(key) if isinstance(key, tuple) else key
+    return f"worst {ratios[key]:.2f} ({name})"
+
+
+def targets(
+    pp: dict | None,
+    apps: dict | None,
+    idle: dict | None,
+    wl: dict | None = None,
+    pauses: dict | None = None,
+) -> list[str]:
     lines = ["| target | measured | met |", "|---|---|---|"]
+    if wl:
+        ratios = workload_ratios(wl)
+        others = {k: r for k, r in ratios.items() if k[1] != "data_heavy"}
+        heavy = {k: r for k, r in ratios.items() if k[1] == "data_heavy"}
+        if others:
+            met = all(r <= 1.0 for r in others.values())
+            lines.append(
+                f"| real workloads: mpi/tcp <= 1.0, LocalCluster and one mpiexec job | {worst(others)} | {'yes' if met else 'no'} |"
+            )
+        if heavy:
+            met = all(r <= 0.8 for r in heavy.values())
+            lines.append(
+                f"| data-heavy workload: mpi/tcp <= 0.8 | {worst(heavy)} | {'yes' if met else 'no'} |"
+            )
+    if pauses:
+        for key, who in [("round_trip", "idle"), ("round_trip_busy", "busy")]:
+            if key in pauses:
+                ratios = pause_ratios(pauses, key)
+                met = all(r <= 1.0 for r in ratios.values())
+                lines.append(
+                    f"| pauses, receiver {who}: mpi/tcp <= 1.0 at every gap | {worst(ratios)} | {'yes' if met else 'no'} |"
+                )
     if pp:
         t = pp["transports"]
         small = [k for k in t["tcp://"] if k != "dict" and int(k) <= 1024]
@@ -93,20 +143,79 @@ def targets(pp: dict | None, apps: dict | None, idle: dict | None) -> list[str]:
     return lines
 
 
+def workloads_lines(wl: dict) -> list[str]:
+    s = wl["settings"]
+    lines = [
+        f"A scheduler and {s['workers']} workers of {s['threads']} thread(s); "
+        f"median of {s['repeat']} timed runs in each of {s['rounds']} round(s), "
+        "tcp:// and mpi:// alternating.",
+        "",
+        "| workload | launched by | tcp:// | mpi:// | mpi/tcp | moved between workers "
+        "| over MPI | CPU s tcp:// | CPU s mpi:// |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, table in wl["workloads"].items():
+        for name, row in table.items():
+            t, m = row.get("tcp://", {}), row.get("mpi://", {})
+            secs = lambda r: f"{r['seconds']:.3f} s" if r else "-"  # noqa: E731
+            cpu = lambda r: f"{r['cpu_seconds']:.1f}" if r else "-"  # noqa: E731
+            mib = lambda v: (
+                f"{v / 2**20:.0f} MiB" if v is not None else "-"
+            )  # noqa: E731
+            ratio = f"{row['mpi/tcp']:.2f}" if "mpi/tcp" in row else "-"
+            lines.append(
+                f"| {name} | {mode} | {secs(t)} | {secs(m)} | {ratio} | "
+                f"{mib((m or t).get('bytes_moved'))} | {mib(m.get('over_mpi_bytes'))} | "
+                f"{cpu(t)} | {cpu(m)} |"
+            )
+    return lines
+
+
+def pauses_lines(pauses: dict) -> list[str]:
+    series = [
+        (k, w)
+        for k, w in [("round_trip", "idle"), ("round_trip_busy", "busy")]
+        if k in pauses
+    ]
+    head = "| pause |"
+    for _, who in series:
+        head += f" tcp:// {who} | mpi:// {who} | mpi/tcp {who} |"
+    lines = [head, "|---:|" + "---:|" * 3 * len(series)]
+    for gap in pauses["round_trip"]["tcp://"]:
+        row = f"| {float(gap) * 1e3:g} ms |"
+        for key, _ in series:
+            tcp, mpi = pauses[key]["tcp://"][gap], pauses[key]["mpi://"][gap]
+            row += f" {tcp * 1e6:.0f} us | {mpi * 1e6:.0f} us | {mpi / tcp:.2f} |"
+        lines.append(row)
+    return lines
+
+
 def main(out: str) -> None:
-    pp, apps, idle, conn = (
-        load(out, n) for n in ["pingpong", "apps", "idle", "connect"]
+    pp, apps, idle, conn, wl, pauses = (
+        load(out, n)
+        for n in ["pingpong", "apps", "idle", "connect", "workloads", "pauses"]
     )
     lines = ["# Benchmark summary", ""]
-    if pp:
-        m = pp["machine"]
+    first = next((r for r in (pp, wl, pauses) if r and "machine" in r), None)
+    if first:
+        m = first["machine"]
         lines += [
             f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['mpi_library']}, "
             f"distributed {m['distributed']}, mpi4py {m['mpi4py']}"
-            + (" (quick run)" if pp["quick"] else ""),
+            + (" (quick run)" if first["quick"] else ""),
             "",
         ]
-    lines += ["## Targets", ""] + targets(pp, apps, idle) + [""]
+    lines += ["## Targets", ""] + targets(pp, apps, idle, wl, pauses) + [""]
+    if wl:
+        lines += (
+            ["## Real workloads, wall time (median)", ""] + workloads_lines(wl) + [""]
+        )
+    if pauses:
+        lines += (
+            ["## Round trips after a pause (median), receiver idle or busy", ""]
+            + pauses_lines(pauses)
+            + [""]
+        )
     if pp:
         lines += (
             ["## Ping-pong, one-way latency (median)", ""] + pingpong_lines(pp) + [""]

@@ -1,0 +1,643 @@
+"""Real Dask workloads on a scheduler and four workers: tcp:// vs mpi://.
+
+    python benchmarks/workloads.py [--quick] [--out benchmarks/results]
+        [--rounds 2] [--repeat 3] [--threads 1] [--modes LocalCluster,mpiexec]
+        [--only transpose_sum,...]
+
+Each workload computes while its processes communicate:
+
+- ``control_plane``: 4000 tiny tasks through ``client.map`` and ``gather``
+- ``request_response``: 150 tasks submitted one at a time, each awaited
+- ``transpose_sum``: ``(x + x.T).sum()`` of a 3000x3000 array, 500x500 chunks
+- ``p2p_rechunk``: a 4000x4000 array rechunked from (100, 4000) to
+  (4000, 100) chunks with the P2P method, then summed
+- ``p2p_shuffle``: a 2-million-row dataframe (16 partitions) shuffled on its
+  key with the P2P method, then reduced (a function of every column of every
+  partition, so that nothing can be optimised away)
+- ``data_heavy``: 16 arrays of 64 MiB made on three workers, then summed by
+  the fourth (``client.submit(f, *arrays, workers=[one])``): 1 GiB moved; only
+  that step is timed
+
+in two launch modes:
+
+- ``LocalCluster``: ``LocalCluster(protocol=P, n_workers=4, processes=True)``,
+  each worker in a process of its own under a nanny; the scheduler runs in the
+  process of the client, as LocalCluster always has it
+- ``mpiexec``: one ``mpiexec`` job of the dask CLI, a scheduler rank and four
+  worker ranks without nannies (``--protocol tcp`` for tcp://, also under
+  mpiexec); the client is a plain process outside the job
+
+Workers have ``--threads`` threads each (default 1: this benchmark was written
+on a 2-core machine, where four workers of one thread and a scheduler already
+ask for more than there is), and the default memory limits.
+
+tcp:// and mpi:// alternate: in each round, each mode starts a fresh cluster
+for each protocol, tcp first in one round and mpi first in the next (the two
+modes in opposite orders). Each cluster runs each workload once to warm up and
+then ``--repeat`` times (default 3; 1 with ``--quick``, which also makes the
+sizes smaller: a check that everything works, not figures); a workload's
+figure is the median of its timed runs over all rounds. Also recorded per
+workload: bytes moved between workers (data fetched by workers from others,
+from their transfer counters, plus the bytes P2P sent through its comms,
+including each worker's share to itself), CPU seconds of the scheduler (and
+the client, in LocalCluster) and the workers, and on mpi:// the bytes of frames
+that went over MPI channels between workers (the others went on the comms' TCP
+connections).
+
+Every cluster runs in a child process of its own (``workloads.py run MODE
+PROTOCOL``) with a timeout, so that MPI started in one run cannot touch the
+next one; the whole process group is killed after each run, and processes
+left over are reported. Writes ``workloads.json`` (``workloads[mode][name]``:
+per protocol the median ``seconds``, all ``times``, ``bytes_moved``,
+``cpu_seconds``, ``over_mpi_bytes``, and ``mpi/tcp``; ``runs``: each cluster's
+own figures, start-up time, mpiexec's exit status, leftovers) and
+``workloads.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+MODES = ["LocalCluster", "mpiexec"]
+LABELS = {
+    "LocalCluster": "LocalCluster, nanny workers",
+    "mpiexec": "one mpiexec job (dask CLI)",
+}
+WORKERS = 4
+NAMES = [
+    "control_plane",
+    "request_response",
+    "transpose_sum",
+    "p2p_rechunk",
+    "p2p_shuffle",
+    "data_heavy",
+]
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return {
+            "control_plane": {"tasks": 1000},
+            "request_response": {"tasks": 50},
+            "transpose_sum": {"n": 2000, "chunk": 500},
+            "p2p_rechunk": {"n": 2000, "strip": 100},
+            "p2p_shuffle": {"rows": 500_000, "partitions": 8},
+            "data_heavy": {"arrays": 16, "mib": 16},
+        }
+    return {
+        "control_plane": {"tasks": 4000},
+        "request_response": {"tasks": 150},
+        "transpose_sum": {"n": 3000, "chunk": 500},
+        "p2p_rechunk": {"n": 4000, "strip": 100},
+        "p2p_shuffle": {"rows": 2_000_000, "partitions": 16},
+        "data_heavy": {"arrays": 16, "mib": 64},
+    }
+
+
+# -- the workloads: each returns the seconds of its timed part ---------------
+
+
+def inc(x):
+    return x + 1
+
+
+def control_plane(client, tasks: int) -> float:
+    start = time.perf_counter()
+    futures = client.map(inc, range(tasks), pure=False)
+    client.gather(futures)
+    return time.perf_counter() - start
+
+
+def request_response(client, tasks: int) -> float:
+    start = time.perf_counter()
+    for i in range(tasks):
+        client.submit(inc, i, pure=False).result()
+    return time.perf_counter() - start
+
+
+def transpose_sum(client, n: int, chunk: int) -> float:
+    import dask.array as da
+
+    x = da.random.random((n, n), chunks=chunk)
+    start = time.perf_counter()
+    client.compute((x + x.T).sum()).result()
+    return time.perf_counter() - start
+
+
+def p2p_rechunk(client, n: int, strip: int) -> float:
+    import dask
+    import dask.array as da
+
+    with dask.config.set({"array.rechunk.method": "p2p"}):
+        x = da.random.random((n, n), chunks=(strip, n))
+        y = x.rechunk((n, strip)).sum()
+    start = time.perf_counter()
+    client.compute(y).result()
+    return time.perf_counter() - start
+
+
+def _partition(seed: int, rows: int):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "key": rng.integers(0, rows, rows),
+            "x": rng.random(rows),
+            "y": rng.random(rows),
+        }
+    )
+
+
+def _summary(part):
+    """Uses every column (the shuffle must move them all) and the partitioning
+    (keys unique to a partition: the shuffle cannot be skipped)"""
+    import pandas as pd
+
+    return pd.Series([part["key"].nunique() + part["x"].sum() - part["y"].sum()])
+
+
+def p2p_shuffle(client, rows: int, partitions: int) -> float:
+    import random
+
+    import dask
+    import dask.dataframe as dd
+    import pandas as pd
+
+    seed = random.randrange(2**31)  # new keys every time
+    seeds = range(seed, seed + partitions)
+    with dask.config.set({"dataframe.shuffle.method": "p2p"}):
+        df = dd.from_map(_partition, seeds, rows=rows // partitions)
+        result = (
+            df.shuffle("key").map_partitions(_summary, meta=pd.Series(dtype="f8")).sum()
+        )
+    start = time.perf_counter()
+    client.compute(result).result()
+    return time.perf_counter() - start
+
+
+def _array(mib: int, value: int):
+    import numpy as np
+
+    return np.full(mib * 2**20 // 8, value, dtype="f8")
+
+
+def _sum_all(*arrays) -> float:
+    return float(sum(a.sum() for a in arrays))
+
+
+def data_heavy(client, arrays: int, mib: int) -> float:
+    from distributed import wait
+
+    workers = sorted(client.scheduler_info()["workers"])
+    target, others = workers[0], workers[1:]
+    futures = [
+        client.submit(_array, mib, i, workers=[others[i % len(others)]], pure=False)
+        for i in range(arrays)
+    ]
+    wait(futures)
+    start = time.perf_counter()
+    total = client.submit(_sum_all, *futures, workers=[target], pure=False).result()
+    elapsed = time.perf_counter() - start
+    assert total == mib * 2**20 // 8 * sum(range(arrays)), total
+    return elapsed
+
+
+WORKLOADS = {name: globals()[name] for name in NAMES}
+
+
+# -- counters read on the workers --------------------------------------------
+
+
+def _counters(dask_worker) -> dict:
+    """This worker's cumulative counters"""
+    p2p = sum(
+        v
+        for k, v in dask_worker.digests_total.items()
+        if isinstance(k, tuple)
+        and k[0] == "p2p"
+        and "comms" in str(k[2])
+        and k[-2:] == ("process", "bytes")
+    )
+    mpi = None
+    channel = sys.modules.get("distributed.comm.mpi_channel")  # never imports it
+    if channel is not None:
+        with contextlib.suppress(Exception):
+            mpi = sum(c.nbytes for c in channel.channels.to_others())
+    return {
+        "fetched": dask_worker.transfer_outgoing_bytes_total,
+        "p2p": p2p,
+        "mpi": mpi,
+        "cpu": _cpu(),
+    }
+
+
+def _cpu() -> float:
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def counters(client) -> dict:
+    per_worker = client.run(_counters).values()
+    total = {
+        key: (
+            sum(c[key] for c in per_worker)
+            if all(c[key] is not None for c in per_worker)
+            else None
+        )
+        for key in ["fetched", "p2p", "mpi", "cpu"]
+    }
+    total["cpu"] += client.run_on_scheduler(_cpu)
+    if total["mpi"] is not None:
+        total["mpi"] /= 2  # each end of a channel counts a frame
+    return total
+
+
+def settle(client, timeout: float = 30) -> None:
+    """Until the scheduler holds no task (the last run's are released)"""
+    deadline = time.monotonic() + timeout
+    while client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the scheduler still holds tasks")
+        time.sleep(0.05)
+
+
+def measure(client, name: str, params: dict, repeat: int, on_mpi: bool) -> dict:
+    run = WORKLOADS[name]
+    run(client, **params)  # warm up
+    settle(client)
+    times, moved, p2p, mpi, cpu = [], [], [], [], []
+    for _ in range(repeat):
+        before = counters(client)
+        times.append(run(client, **params))
+        settle(client)
+        after = counters(client)
+        moved.append(
+            after["fetched"] - before["fetched"] + after["p2p"] - before["p2p"]
+        )
+        p2p.append(after["p2p"] - before["p2p"])
+        cpu.append(after["cpu"] - before["cpu"])
+        if on_mpi and after["mpi"] is not None and before["mpi"] is not None:
+            mpi.append(after["mpi"] - before["mpi"])
+    return {
+        "times": times,
+        "bytes_moved": statistics.median(moved),
+        "p2p_bytes": statistics.median(p2p),
+        "over_mpi_bytes": statistics.median(mpi) if mpi else None,
+        "cpu_seconds": statistics.median(cpu),
+    }
+
+
+# -- one cluster, in a child process -----------------------------------------
+
+
+@contextlib.contextmanager
+def local_cluster(protocol: str, threads: int, info: dict):
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(
+        protocol=protocol,
+        n_workers=WORKERS,
+        threads_per_worker=threads,
+        processes=True,
+        dashboard_address=None,
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(WORKERS, timeout=120)
+        yield client
+
+
+@contextlib.contextmanager
+def mpiexec_job(protocol: str, threads: int, info: dict):
+    """``mpiexec -n 1 scheduler : -n 4 worker``, in this process's group (the
+    driver kills that group); shut down through the client, then whatever is
+    left of the job killed. ``info["job_exit"]``: mpiexec's exit status after
+    the shutdown (None: it had not ended 30 s later)"""
+    import psutil
+
+    from processes import MPIEXEC
+
+    from distributed import Client
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sched_file = os.path.join(tmp, "scheduler.json")
+        python = [sys.executable, "-m"]
+        cmd = [MPIEXEC, "-n", "1", *python, "distributed.cli.dask_scheduler"]
+        cmd += ["--protocol", protocol, "--port", "0", "--no-dashboard"]
+        cmd += ["--scheduler-file", sched_file, ":", "-n", str(WORKERS)]
+        cmd += [*python, "distributed.cli.dask_worker", "--scheduler-file", sched_file]
+        cmd += ["--no-nanny", "--nthreads", str(threads), "--no-dashboard"]
+        log = open(os.path.join(tmp, "job.log"), "w+")
+        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(sched_file):
+                if job.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"no scheduler file; {cmd}")
+                time.sleep(0.05)
+            with Client(scheduler_file=sched_file, timeout=60) as client:
+                client.wait_for_workers(WORKERS, timeout=120)
+                yield client
+                processes = psutil.Process(job.pid).children(recursive=True)
+                client.shutdown()
+            try:
+                info["job_exit"] = job.wait(30)
+            except subprocess.TimeoutExpired:
+                print(
+                    "mpiexec job did not end after client.shutdown()", file=sys.stderr
+                )
+            for p in processes:
+                with contextlib.suppress(psutil.Error):
+                    if p.is_running():
+                        print(f"left after shutdown, killed: {p}", file=sys.stderr)
+                        p.kill()
+        except BaseException:
+            log.seek(0)
+            sys.stderr.write("mpiexec job's output (tail):\n" + log.read()[-4000:])
+            raise
+        finally:
+            if job.poll() is None:
+                ranks = psutil.Process(job.pid).children(recursive=True)
+                job.terminate()  # mpiexec ends its ranks, removes its /tmp files
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    job.wait(5)
+                for p in ranks:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+                job.kill()
+                job.wait()
+            log.close()
+
+
+def run(
+    mode: str, protocol: str, names: list[str], quick: bool, repeat: int, threads: int
+):
+    start = time.perf_counter()
+    cluster = local_cluster if mode == "LocalCluster" else mpiexec_job
+    info = {}
+    with cluster(protocol, threads, info) as client:
+        started = time.perf_counter() - start
+        addresses = list(client.scheduler_info()["workers"])
+        assert all(a.startswith(protocol + "://") for a in addresses), addresses
+        results = {"startup_seconds": started, "workloads": {}}
+        for name in names:
+            print(f"  {mode} {protocol}:// {name}", file=sys.stderr, flush=True)
+            results["workloads"][name] = measure(
+                client, name, sizes(quick)[name], repeat, protocol == "mpi"
+            )
+    return {**results, **info}
+
+
+# -- the driver ---------------------------------------------------------------
+
+
+def leftovers(pgid: int, grace: float = 10) -> list[str]:
+    """Processes still running in the process group or session ``pgid`` after
+    ``grace`` seconds (zombies, which only wait for init to reap them, aside)"""
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for p in psutil.process_iter(["pid", "name", "status", "cmdline"]):
+            with contextlib.suppress(OSError, psutil.Error):
+                if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                    continue
+                if pgid in (os.getpgid(p.pid), os.getsid(p.pid)):
+                    cmd = " ".join(p.info["cmdline"] or [])[:100]
+                    found.append(f"{p.pid} {p.info['name']} {cmd}")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def one_run(mode: str, protocol: str, args, timeout: float) -> dict:
+    cmd = [sys.executable, HERE, "run", mode, protocol, "--repeat", str(args.repeat)]
+    cmd += ["--threads", str(args.threads), "--only", ",".join(args.only)]
+    cmd += ["--quick"] if args.quick else []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
+        )
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+            result = (
+                json.loads(stdout.strip().splitlines()[-1])
+                if proc.returncode == 0
+                else None
+            )
+        except subprocess.TimeoutExpired:
+            result = None
+        finally:
+            left = leftovers(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        err.seek(0)
+        log = err.read()
+    if result is None:
+        result = {
+            "error": f"exit {proc.returncode}" if proc.returncode else "timed out"
+        }
+        print(
+            f"{mode} {protocol}:// FAILED ({result['error']}):\n{log[-6000:]}",
+            file=sys.stderr,
+        )
+    if left:
+        print(f"{mode} {protocol}://: left behind, killed: {left}", file=sys.stderr)
+    result["left_behind"] = left
+    return result
+
+
+def summarize(results: dict, names: list[str]) -> None:
+    """Medians over the rounds; the ratio mpi/tcp"""
+    for mode, runs in results["runs"].items():
+        table = results["workloads"].setdefault(mode, {})
+        for name in names:
+            row = {}
+            for protocol in ["tcp://", "mpi://"]:
+                done = [
+                    r["workloads"][name]
+                    for r in runs[protocol]
+                    if name in r.get("workloads", {})
+                ]
+                if not done:
+                    continue
+                times = [t for d in done for t in d["times"]]
+                row[protocol] = {
+                    "seconds": statistics.median(times),
+                    "times": times,
+                    "bytes_moved": statistics.median(d["bytes_moved"] for d in done),
+                    "cpu_seconds": statistics.median(d["cpu_seconds"] for d in done),
+                }
+                mpi = [
+                    d["over_mpi_bytes"] for d in done if d["over_mpi_bytes"] is not None
+                ]
+                if mpi:
+                    row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
+            if "tcp://" in row and "mpi://" in row:
+                row["mpi/tcp"] = row["mpi://"]["seconds"] / row["tcp://"]["seconds"]
+            table[name] = row
+
+
+def print_table(results: dict) -> None:
+    print(
+        f"{'workload':17s} {'mode':12s} {'tcp s':>8s} {'mpi s':>8s} {'mpi/tcp':>8s}"
+        f" {'moved MiB':>10s} {'over MPI MiB':>13s}"
+    )
+    for mode, table in results["workloads"].items():
+        for name, row in table.items():
+            tcp, mpi = row.get("tcp://"), row.get("mpi://")
+            cell = lambda r: f"{r['seconds']:8.3f}" if r else f"{'-':>8s}"  # noqa: E731
+            ratio = f"{row['mpi/tcp']:8.2f}" if "mpi/tcp" in row else f"{'-':>8s}"
+            moved = (mpi or tcp or {}).get("bytes_moved")
+            moved = f"{moved / 2**20:10.1f}" if moved is not None else f"{'-':>10s}"
+            over = (mpi or {}).get("over_mpi_bytes")
+            over = f"{over / 2**20:13.1f}" if over is not None else f"{'-':>13s}"
+            print(
+                f"{name:17s} {mode:12s} {cell(tcp)} {cell(mpi)} {ratio} {moved} {over}"
+            )
+
+
+def plot(results: dict, out: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    modes = list(results["workloads"])
+    names = [n for n in NAMES if any(n in results["workloads"][m] for m in modes)]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(len(modes), 1)
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(names))]
+        ratios = [
+            results["workloads"][mode].get(n, {}).get("mpi/tcp", float("nan"))
+            for n in names
+        ]
+        bars = ax.bar(xs, ratios, width, label=LABELS.get(mode, mode))
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=1)
+    if "data_heavy" in names:  # its target
+        j = names.index("data_heavy")
+        ax.hlines(0.8, j - 0.45, j + 0.45, colors="black", linestyles="dashed")
+    ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names])
+    ax.set_ylabel("wall time mpi:// / tcp:// (median)")
+    m = results["machine"]
+    ax.set_title(
+        f"Dask workloads, scheduler + {WORKERS} workers x {results['settings']['threads']}"
+        f" thread(s), {m['cpus']} CPUs" + (" (quick)" if results["quick"] else "")
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "workloads.png"), dpi=100)
+
+
+def main() -> None:
+    import pingpong
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--only", default=",".join(NAMES))
+    args = parser.parse_args()
+    args.only = args.only.split(",")
+    if set(args.only) - set(NAMES) or set(args.modes.split(",")) - set(MODES):
+        parser.error(f"workloads are {NAMES}, modes {MODES}")
+    rounds = args.rounds or 2
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    timeout = 240 if args.quick else 600
+    modes = args.modes.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    results = {
+        "machine": pingpong.versions(),
+        "quick": args.quick,
+        "settings": {
+            "workers": WORKERS,
+            "threads": args.threads,
+            "rounds": rounds,
+            "repeat": args.repeat,
+            "warm_up": 1,
+            "sizes": {n: s for n, s in sizes(args.quick).items() if n in args.only},
+        },
+        "order": [],
+        "runs": {m: {"tcp://": [], "mpi://": []} for m in modes},
+        "workloads": {},
+    }
+    start = time.perf_counter()
+    for rnd in range(rounds):
+        # each mode: tcp first in one round, mpi first in the next
+        for i, mode in enumerate(modes):
+            order = ["tcp", "mpi"] if (rnd + i) % 2 == 0 else ["mpi", "tcp"]
+            for protocol in order:
+                print(
+                    f"round {rnd + 1}: {mode} {protocol}://",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                result = one_run(mode, protocol, args, timeout)
+                result["round"] = rnd + 1
+                results["runs"][mode][f"{protocol}://"].append(result)
+                results["order"].append([rnd + 1, mode, f"{protocol}://"])
+    results["seconds"] = time.perf_counter() - start
+    summarize(results, args.only)
+    with open(os.path.join(args.out, "workloads.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out)
+    print_table(results)
+    print(f"({results['seconds']:.0f} s in all)")
+    failed = [
+        (m, p)
+        for m, runs in results["runs"].items()
+        for p, rs in runs.items()
+        for r in rs
+        if "error" in r
+    ]
+    if failed:
+        sys.exit(f"failed runs: {failed}")
+
+
+def child() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run")
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("protocol")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", default=",".join(NAMES))
+    args = parser.parse_args()
+    result = run(
+        args.mode,
+        args.protocol,
+        args.only.split(","),
+        args.quick,
+        args.repeat,
+        args.threads,
+    )
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]:
+        child()
+    else:
+        main()
