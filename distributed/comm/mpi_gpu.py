@@ -17,6 +17,12 @@ device frame one of two ways:
 A process without a GPU (or without CuPy) says so in the handshake and is sent
 host frames: what ``tcp://`` would send it.
 
+The few GPU operations all this needs (allocate, pin, copy on a stream, poll
+an event, synchronize) are a :class:`Device`: CUDA through CuPy
+(:class:`CuPyDevice`), or, with ``distributed.comm.mpi.device-backend: host``,
+host memory that passes for GPU memory (:class:`HostDevice`), so that tests
+drive the whole GPU path, staged and direct, on machines without a GPU.
+
 Run ``python -m distributed.comm.mpi_probe`` on a GPU node to see which way
 mpi:// will go there.
 """
@@ -30,6 +36,7 @@ import functools
 import importlib.util
 import math
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from distributed.comm.mpi_startup import config
 
@@ -77,18 +84,170 @@ class DeviceSlice:
         }
 
 
+class Device(Protocol):
+    """The GPU operations of this module; ``device-backend`` picks one"""
+
+    def buffer(self, size: int):
+        """An uninitialized device frame of ``size`` bytes"""
+
+    def pinned(self, size: int):
+        """``size`` bytes of page-locked host memory, as a NumPy array"""
+
+    def stream(self):
+        """A new stream, which does not wait for the default stream"""
+
+    def copy(self, dst: int, src: int, size: int, to_device: bool, stream):
+        """Start copying ``size`` bytes at ``src`` to ``dst``, from the host to
+        the device or back, on ``stream``: an event, ``done`` once copied"""
+
+    def synchronize(self, frames) -> None:
+        """Wait for the GPU work that writes ``frames``, or allocated them"""
+
+
+def device() -> Device | None:
+    """This process's GPU, as ``distributed.comm.mpi.device-backend`` says;
+    None without one"""
+    return _device(config("device-backend"))
+
+
 @functools.cache
-def has_gpu() -> bool:
-    """Whether this process can hold frames on a GPU: CuPy and a device.
-    Asks only when CuPy is installed: a CPU cluster never loads CUDA."""
+def _device(backend: str) -> Device | None:
+    if backend == "host":
+        return HostDevice()
+    if backend != "cupy":
+        raise ValueError(
+            "distributed.comm.mpi.device-backend must be cupy or host, "
+            f"not {backend!r}"
+        )
+    # Ask only when CuPy is installed: a CPU cluster never loads CUDA
     if importlib.util.find_spec("cupy") is None:
-        return False
+        return None
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return CuPyDevice()
     except Exception:  # no driver, no device
-        return False
+        pass
+    return None
+
+
+class CuPyDevice:
+    """CUDA, through CuPy"""
+
+    def __init__(self):
+        import cupy
+
+        self._cupy = cupy
+
+    def buffer(self, size: int):
+        # distributed's RMM deserializer requires an rmm.DeviceBuffer
+        if importlib.util.find_spec("rmm") is not None:
+            import rmm
+
+            return rmm.DeviceBuffer(size=size)
+        return self._cupy.empty(size, dtype="u1")
+
+    def pinned(self, size: int):
+        import numpy
+
+        memory = self._cupy.cuda.alloc_pinned_memory(size)
+        return numpy.frombuffer(memory, "u1", size)  # holds memory
+
+    def stream(self):
+        return self._cupy.cuda.Stream(non_blocking=True)
+
+    def copy(self, dst: int, src: int, size: int, to_device: bool, stream):
+        runtime = self._cupy.cuda.runtime
+        kind = runtime.memcpyHostToDevice if to_device else runtime.memcpyDeviceToHost
+        runtime.memcpyAsync(dst, src, size, kind, stream.ptr)
+        done = self._cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        return done
+
+    def synchronize(self, frames) -> None:
+        # The legacy default stream waits for the blocking streams, as
+        # distributed-ucxx relies on too
+        runtime = self._cupy.cuda.runtime
+        runtime.streamSynchronize(0)
+        for frame in frames:
+            stream = frame.__cuda_array_interface__.get("stream")
+            if stream not in (None, 0, 1, 2):  # a stream of its own
+                runtime.streamSynchronize(stream)
+
+
+class HostDevice:
+    """Host memory that passes for GPU memory, for tests: its buffers expose
+    ``__cuda_array_interface__``, which MPI reads as host memory.  A copy is
+    made when its event is polled and found done, 0 to 3 polls after it was
+    started: whoever uses a slot before its copy is done gets stale bytes."""
+
+    def __init__(self):
+        self.copies = 0  # started so far
+
+    def buffer(self, size: int):
+        return HostBuffer(size)
+
+    def pinned(self, size: int):
+        import numpy
+
+        return numpy.empty(size, "u1")
+
+    def stream(self):
+        return None
+
+    def copy(self, dst: int, src: int, size: int, to_device: bool, stream):
+        self.copies += 1
+        return _HostCopy(dst, src, size, polls=self.copies % 4)
+
+    def synchronize(self, frames) -> None:
+        pass  # nothing runs behind the host's back but copies, awaited each
+
+
+class HostBuffer:
+    """A device frame of :class:`HostDevice`"""
+
+    def __init__(self, size: int):
+        import numpy
+
+        self.array = numpy.empty(size, "u1")
+        self.nbytes = size
+        self.__cuda_array_interface__ = {
+            "data": (self.array.ctypes.data, False),
+            "shape": (size,),
+            "typestr": "|u1",
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
+
+    def __reduce__(self):
+        # A test must see a frame that travels other than as a device frame
+        raise TypeError("a HostDevice frame travels as a device frame only")
+
+
+class _HostCopy:
+    """A copy of :class:`HostDevice`, made once ``done`` was asked ``polls``
+    times more"""
+
+    def __init__(self, dst: int, src: int, size: int, polls: int):
+        self._copy: tuple | None = (dst, src, size)
+        self._polls = polls
+
+    @property
+    def done(self) -> bool:
+        if self._polls:
+            self._polls -= 1
+            return False
+        if self._copy:
+            ctypes.memmove(*self._copy)
+            self._copy = None
+        return True
+
+
+def has_gpu() -> bool:
+    """Whether this process can hold frames on a GPU"""
+    return device() is not None
 
 
 def cuda_aware(MPI) -> tuple[bool, str]:
@@ -135,30 +294,14 @@ def path(mine: dict | None, theirs: dict | None) -> str | None:
 
 
 def device_buffer(size: int):
-    """An uninitialized device frame to receive into: an ``rmm.DeviceBuffer``
-    when RMM is installed (distributed's RMM deserializer requires one), else
-    a CuPy array of bytes"""
-    if importlib.util.find_spec("rmm") is not None:
-        import rmm
-
-        return rmm.DeviceBuffer(size=size)
-    import cupy
-
-    return cupy.empty(size, dtype="u1")
+    """An uninitialized device frame of ``size`` bytes, to receive into"""
+    return device().buffer(size)
 
 
 def synchronize(frames=()) -> None:
     """Wait for the GPU work that writes ``frames``, or that allocated them:
-    MPI and copies on another stream would not.  The legacy default stream
-    waits for the blocking streams, as distributed-ucxx relies on too."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    runtime.streamSynchronize(0)
-    for frame in frames:
-        stream = frame.__cuda_array_interface__.get("stream")
-        if stream not in (None, 0, 1, 2):  # a stream of its own
-            runtime.streamSynchronize(stream)
+    MPI and copies on another stream would not"""
+    device().synchronize(frames)
 
 
 def pieces(size: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -167,38 +310,31 @@ def pieces(size: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 class _Stager:
-    """This process's pinned host slots and copy stream.  A staged frame
-    takes ``DEPTH`` slots and gives them back once its transfers are done;
-    the pool grows to the most frames ever staged at once, and never makes a
-    frame wait for a slot (so transfers cannot wait on each other through it).
+    """A device's pinned host slots and copy stream.  A staged frame takes
+    ``DEPTH`` slots and gives them back once its transfers are done; the pool
+    grows to the most frames ever staged at once, and never makes a frame
+    wait for a slot (so transfers cannot wait on each other through it).
     """
 
-    def __init__(self):
-        import cupy
-
-        self._cupy = cupy
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+    def __init__(self, device: Device):
+        self.device = device
+        self.stream = device.stream()
         self._free: dict[int, list] = collections.defaultdict(list)  # by size
 
     def take(self, size: int) -> list:
         """``DEPTH`` pinned buffers (NumPy arrays) of ``size`` bytes"""
-        import numpy
-
         free = self._free[size]
         while len(free) < DEPTH:
-            memory = self._cupy.cuda.alloc_pinned_memory(size)
-            free.append(numpy.frombuffer(memory, "u1", size))  # holds memory
+            free.append(self.device.pinned(size))
         slots, self._free[size] = free[:DEPTH], free[DEPTH:]
         return slots
 
     def give_back(self, slots: list) -> None:
         self._free[slots[0].nbytes].extend(slots)
 
-    async def copy(self, dst: int, src: int, size: int, kind: int) -> None:
+    async def copy(self, dst: int, src: int, size: int, to_device: bool) -> None:
         """Copy on the stager's stream; return once it is done"""
-        self._cupy.cuda.runtime.memcpyAsync(dst, src, size, kind, self.stream.ptr)
-        done = self._cupy.cuda.Event(block=False, disable_timing=True)
-        done.record(self.stream)
+        done = self.device.copy(dst, src, size, to_device, self.stream)
         # A chunk copies in tens of microseconds: poll, and let the progress
         # engine test the transfers in flight meanwhile
         polls = 0
@@ -208,8 +344,8 @@ class _Stager:
 
 
 @functools.cache
-def _stager() -> _Stager:
-    return _Stager()
+def _stager(device: Device) -> _Stager:
+    return _Stager(device)
 
 
 async def send_staged(
@@ -221,16 +357,15 @@ async def send_staged(
     chunks = pieces(nbytes(frame), chunk_size)
     if not chunks:
         return []
-    stager = _stager()
+    stager = _stager(device())
     slots = stager.take(chunk_size)
-    d2h = stager._cupy.cuda.runtime.memcpyDeviceToHost
     source = _pointer(frame)
     sent: list[asyncio.Future] = []
     for i, (offset, size) in enumerate(chunks):
         slot = slots[i % DEPTH]
         if i >= DEPTH:
             await sent[i - DEPTH]  # the slot is free again
-        await stager.copy(slot.ctypes.data, source + offset, size, d2h)
+        await stager.copy(slot.ctypes.data, source + offset, size, to_device=False)
         sent.append(post(slot[:size]))
 
     def reuse(last: asyncio.Future) -> None:
@@ -252,9 +387,8 @@ async def recv_staged(
     chunks = pieces(nbytes(frame), chunk_size)
     if not chunks:
         return
-    stager = _stager()
+    stager = _stager(device())
     slots = stager.take(chunk_size)
-    h2d = stager._cupy.cuda.runtime.memcpyHostToDevice
     target = _pointer(frame)
     posted = collections.deque(
         post(slots[i][:size]) for i, (_, size) in enumerate(chunks[:DEPTH])
@@ -262,7 +396,7 @@ async def recv_staged(
     for i, (offset, size) in enumerate(chunks):
         slot = slots[i % DEPTH]
         await wait(posted.popleft())
-        await stager.copy(target + offset, slot.ctypes.data, size, h2d)
+        await stager.copy(target + offset, slot.ctypes.data, size, to_device=True)
         if i + DEPTH < len(chunks):  # the slot is free again
             posted.append(post(slot[: chunks[i + DEPTH][1]]))
     stager.give_back(slots)

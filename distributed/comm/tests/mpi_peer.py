@@ -4,6 +4,12 @@
 writes its address to FILE and echoes every message back, except
 ``{"op": "sum", "x": array}`` which it answers with the array's sum, and
 ``{"op": "echo", "x": data}``, whose data it sends back with its type.
+With ``distributed.comm.mpi.device-backend: host``, it answers
+``{"op": "device", "x": [...], "make": [(size, seed), ...]}`` with the
+digests of the :class:`OnDevice` items of ``x``, ``x`` itself, and the
+``OnDevice.random`` frames asked for: device frames go each way checked, not
+only there and back, where a fault on the way out could undo one on the way
+back.
 
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips; it prints "over
@@ -20,14 +26,46 @@ twice, with every MPI accept or connect of its own sent to the port in FILE
 instead: MPI fails to open the channel at both ends, for real.
 """
 
+from __future__ import annotations
+
 import asyncio
+import hashlib
 import os
 import sys
 
 import numpy as np
 
-from distributed.comm import CommClosedError, connect, listen, mpi_channel, mpi_startup
+from distributed.comm import (
+    CommClosedError,
+    connect,
+    listen,
+    mpi_channel,
+    mpi_gpu,
+    mpi_startup,
+)
 from distributed.protocol import to_serialize
+from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+
+class OnDevice:
+    """A device frame, which the "cuda" serializers send as it is"""
+
+    def __init__(self, frame):
+        self.frame = frame
+
+    @classmethod
+    def random(cls, size: int, seed: int) -> OnDevice:
+        """Random bytes in a device frame of the host backend"""
+        frame = mpi_gpu.device_buffer(size)
+        frame.array[:] = np.random.default_rng(seed).integers(0, 256, size, "u1")
+        return cls(frame)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.frame.array).hexdigest()
+
+
+cuda_serialize.register(OnDevice)(lambda x: ({}, [x.frame]))
+cuda_deserialize.register(OnDevice)(lambda header, frames: OnDevice(frames[0]))
 
 
 async def handle(comm):
@@ -40,6 +78,15 @@ async def handle(comm):
                 x = msg["x"]
                 kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
                 msg = {"x": to_serialize(x), "type": kind}
+            elif isinstance(msg, dict) and msg.get("op") == "device":
+                msg = {
+                    "digests": [
+                        x.digest() if isinstance(x, OnDevice) else None
+                        for x in msg["x"]
+                    ],
+                    "x": to_serialize(msg["x"]),
+                    "made": to_serialize([OnDevice.random(*x) for x in msg["make"]]),
+                }
             await comm.write(msg)
     except CommClosedError:
         pass
@@ -106,12 +153,17 @@ def write(path, text):
     os.rename(path + ".tmp", path)
 
 
+COMMANDS = {
+    "serve": serve,
+    "ping": ping,
+    "port": port,
+    "ping-after-timeout": ping_after_timeout,
+    "ping-astray": ping_astray,
+}
+
 if __name__ == "__main__":
-    commands = {
-        "serve": serve,
-        "ping": ping,
-        "port": port,
-        "ping-after-timeout": ping_after_timeout,
-        "ping-astray": ping_astray,
-    }
-    asyncio.run(commands[sys.argv[1]](*sys.argv[2:]))
+    # From the module by its name, not __main__: the OnDevice it sends must
+    # unpickle at the other end
+    from distributed.comm.tests import mpi_peer
+
+    asyncio.run(mpi_peer.COMMANDS[sys.argv[1]](*sys.argv[2:]))

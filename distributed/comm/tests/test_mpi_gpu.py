@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import subprocess
 import sys
 
@@ -22,7 +21,8 @@ import dask
 
 from distributed import Client, LocalCluster
 from distributed.comm import CommClosedError, connect, mpi_gpu, mpi_startup
-from distributed.comm.mpi import _HEAD, State
+from distributed.comm.mpi import Head
+from distributed.comm.mpi_channel import channels
 from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
 from distributed.comm.tests.test_mpi import comm_pair
 from distributed.protocol import to_serialize
@@ -129,14 +129,13 @@ async def test_device_frames_to_a_process_without_gpu_fail_clearly():
     async with comm_pair() as (a, b):
         assert a.gpu_path is b.gpu_path is None  # neither end has a GPU
         # What a peer with a GPU would send, were it to ignore the handshake:
-        # one device frame of 8 bytes
-        head = _HEAD.pack(0, 1, 0) + struct.pack("<Q", 8) + bytes([mpi_gpu.DEVICE])
-        route = a._route
-        sent = route.channel.comm.Isend(head, route.channel.rank, route.send_tag)
+        # the head of one device frame of 8 bytes
+        channel = channels.get(mpi_startup.process_id())
+        head = Head(False, channel.id, channel.tag(), [(0, 8, mpi_gpu.DEVICE)])
+        a._tcp.write_frames([head.pack()])
         with pytest.raises(CommClosedError, match="GPU frames, which this process"):
             await b.read()
-        sent.Wait()
-        assert b.state is State.CLOSED
+        assert b.closed()
         await a.close()
 
 

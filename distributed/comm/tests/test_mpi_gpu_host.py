@@ -1,0 +1,243 @@
+"""The GPU path of mpi:// without a GPU: device frames in host memory
+(``distributed.comm.mpi.device-backend: host``, see ``mpi_gpu.HostDevice``)
+between this process and an mpi_peer process under mpiexec, staged through
+pinned slots or direct to MPI (``cuda-aware: true``, which holds for host
+memory with any MPI).  Chunks are small, so that small frames take several
+chunks and reuse the slots, yet larger than MPICH sends eagerly (copied at
+once): a slot reused before its send completed shows (at 4 KiB, only under
+load)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import NamedTuple
+
+import psutil
+import pytest
+
+pytest.importorskip("mpi4py")
+np = pytest.importorskip("numpy")
+
+import dask
+
+from distributed.comm import CommClosedError, connect, mpi_gpu
+from distributed.comm.mpi_channel import channels
+from distributed.comm.tests.mpi_peer import OnDevice
+from distributed.comm.tests.mpi_processes import Job, mpiexec, wait_for_file
+from distributed.protocol import to_serialize
+from distributed.utils_test import gen_test
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 16384
+PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
+
+
+class Peer(NamedTuple):
+    address: str
+    job: Job
+    gpu_path: str
+    config: dict  # for this process (gen_test resets dask's config)
+
+
+@pytest.fixture(params=["staged", "direct"])
+def peer(request, monkeypatch, tmp_path):
+    """An echoing mpi_peer under mpiexec; both ends on host "GPUs", with
+    small chunks"""
+    config = {
+        "device-backend": "host",
+        "chunk-size": CHUNK,
+        "inline-size": 1024,  # whatever the default, larger frames go over MPI
+        "cuda-aware": request.param == "direct",
+    }
+    for key, value in config.items():
+        name = "DASK_DISTRIBUTED__COMM__MPI__" + key.upper().replace("-", "_")
+        monkeypatch.setenv(name, str(value))
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve", path]) as job:
+        yield Peer(
+            wait_for_file(path, job),
+            job,
+            request.param,
+            {f"distributed.comm.mpi.{k}": v for k, v in config.items()},
+        )
+
+
+def check(reply: dict, x: list, make: list) -> None:
+    """The reply to a "device" message, byte for byte"""
+    sizes = [item.frame.nbytes for item in x if isinstance(item, OnDevice)]
+    assert list(reply["digests"]) == [
+        item.digest() if isinstance(item, OnDevice) else None for item in x
+    ], f"device frames of {sizes} bytes reached the peer changed"
+    assert len(reply["x"]) == len(x)
+    for got, sent in zip(reply["x"], x):
+        assert type(got) is type(sent)
+        if isinstance(sent, OnDevice):
+            # in a device frame that the backend allocated
+            assert isinstance(got.frame, mpi_gpu.HostBuffer)
+            assert got.digest() == sent.digest()
+        elif isinstance(sent, np.ndarray):
+            np.testing.assert_array_equal(got, sent)
+        else:
+            assert got == sent
+    assert [got.digest() for got in reply["made"]] == [
+        OnDevice.random(size, seed).digest() for size, seed in make
+    ], f"device frames of {[size for size, _ in make]} bytes arrived changed"
+
+
+async def connect_over_mpi(address: str):
+    """A comm whose large frames travel over MPI: a channel opens the first
+    time a frame needs one, and until then frames travel over TCP"""
+    comm = await connect(address)
+    for _ in range(100):
+        await comm.write({"op": "echo", "x": to_serialize(np.zeros(CHUNK))})
+        await comm.read()  # over MPI too, if the channel is open at both ends
+        if comm.channel and comm.channel is channels.get(comm._route.peer["process"]):
+            return comm
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{comm} opened no MPI channel")
+
+
+async def exchange(comm, x: list, make: list) -> None:
+    """Send ``x``, and get frames of the sizes and seeds ``make``"""
+    await comm.write({"op": "device", "x": to_serialize(x), "make": make})
+    check(await comm.read(), x, make)
+
+
+@contextlib.contextmanager
+def on_call(method: str, count: int, action):
+    """Call ``action()`` as this process's device ``method`` is called for
+    the ``count``-th time from now"""
+    device = mpi_gpu.device()
+    original = getattr(device, method)
+    calls = 0
+
+    def call(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == count:
+            action()
+        return original(*args, **kwargs)
+
+    setattr(device, method, call)
+    try:
+        yield
+    finally:
+        delattr(device, method)
+
+
+@gen_test(timeout=60)
+async def test_device_frames_of_every_size(peer):
+    sizes = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, mpi_gpu.DEPTH * CHUNK + 1]
+    sizes += [11 * CHUNK + 333, 3 * 2**20 + 7]
+    with dask.config.set(peer.config):
+        comm = await connect_over_mpi(peer.address)
+        assert comm.gpu_path == peer.gpu_path
+        for size in sizes:
+            await exchange(comm, [OnDevice.random(size, size)], [(size, size + 1)])
+        await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_device_and_host_frames_in_one_message(peer):
+    with dask.config.set(peer.config):
+        x = [
+            OnDevice.random(5 * CHUNK + 1, 1),
+            np.arange(50_000),  # a host frame over MPI
+            b"bytes",
+            OnDevice.random(0, 2),
+            OnDevice.random(3 * CHUNK, 3),
+        ]
+        comm = await connect_over_mpi(peer.address)
+        await exchange(comm, x, [(CHUNK + 7, 4), (0, 5), (2 * CHUNK, 6)])
+        await comm.close()
+
+
+@gen_test(timeout=90)
+async def test_many_messages_in_flight_both_ways(peer):
+    """Comms that each write while they read the replies: both processes
+    stage frames towards each other at once, on several comms"""
+
+    async def talk(i, comm):
+        sizes = [(i * 3 * CHUNK + j * 777, 100 * i + j) for j in range(8)]
+        sent = [[j, OnDevice.random(*size)] for j, size in enumerate(sizes)]
+
+        async def write():
+            for x, make in zip(sent, sizes):
+                await comm.write({"op": "device", "x": to_serialize(x), "make": [make]})
+
+        async def read():
+            for x, make in zip(sent, sizes):
+                check(await comm.read(), x, [make])
+
+        await asyncio.gather(write(), read())
+
+    with dask.config.set(peer.config):
+        comms = [await connect_over_mpi(peer.address) for _ in range(4)]
+        await asyncio.gather(*(talk(i, comm) for i, comm in enumerate(comms)))
+        await asyncio.gather(*(comm.close() for comm in comms))
+
+
+async def assert_serves(address):
+    """The peer lives, and serves a new comm"""
+    comm = await connect_over_mpi(address)
+    await exchange(comm, [OnDevice.random(3 * CHUNK + 5, 7)], [(CHUNK + 1, 8)])
+    await comm.close()
+
+
+LARGE = 40 * CHUNK + 1  # a frame that takes a while
+
+
+@gen_test(timeout=60)
+async def test_comm_closed_mid_frame_by_the_reader(peer):
+    with dask.config.set(peer.config):
+        comm = await connect_over_mpi(peer.address)
+        await comm.write({"op": "device", "x": [], "make": [(LARGE, 0)]})
+        # Once the frame's head arrived, while its chunks are on their way
+        with on_call("buffer", 1, lambda: asyncio.ensure_future(comm.close())):
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.read(), 20)
+        assert comm.closed()
+        await assert_serves(peer.address)
+
+
+@gen_test(timeout=60)
+async def test_comm_closed_mid_frame_by_the_writer(peer):
+    with dask.config.set(peer.config):
+        x = [OnDevice.random(LARGE, 0)]
+        msg = {"op": "device", "x": to_serialize(x), "make": []}
+        comm = await connect_over_mpi(peer.address)
+        if peer.gpu_path == "staged":  # once the third chunk is being copied
+            closing = []
+
+            def close():
+                closing.append(asyncio.ensure_future(comm.close()))
+
+            with on_call("copy", 3, close):
+                with pytest.raises(CommClosedError):
+                    await asyncio.wait_for(comm.write(msg), 20)
+            await closing[0]
+        else:  # all chunks are posted at once
+            await comm.write(msg)
+            await comm.close()
+        assert comm.closed()
+        await assert_serves(peer.address)
+
+
+@gen_test(timeout=60)
+async def test_peer_killed_mid_frame(peer):
+    def kill():
+        ranks = peer.job.ranks()
+        for rank in ranks:
+            rank.kill()
+        psutil.wait_procs(ranks, timeout=10)
+
+    with dask.config.set(peer.config):
+        comm = await connect_over_mpi(peer.address)
+        await comm.write({"op": "device", "x": [], "make": [(LARGE, 0)]})
+        # Once the frame's head arrived, before any chunk is received
+        with on_call("buffer", 1, kill):
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.read(), 20)
+        assert comm.closed()
