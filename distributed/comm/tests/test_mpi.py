@@ -34,7 +34,7 @@ from distributed.comm import (
 )
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
-from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
 from distributed.comm.registry import backends
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
@@ -105,6 +105,7 @@ def test_local_peer_knows_when_its_process_died():
     with popen([sys.executable, "-c", code], capture_output=True) as proc:
         hello = {"process": f"{socket.gethostname()}/{proc.pid}/x"}
         hello["beacon"] = int(proc.stdout.readline())
+        hello["pid_namespace"] = pid_namespace()
         peer = LocalPeer.find(hello)
         assert not peer.died()
         proc.kill()
@@ -113,6 +114,8 @@ def test_local_peer_knows_when_its_process_died():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert LocalPeer.find({**hello, "process": f"elsewhere/{proc.pid}/x"}) is None
+        # A container on this host: its pids are not ours
+        assert LocalPeer.find({**hello, "pid_namespace": -1}) is None
 
 
 def test_address_helpers():
