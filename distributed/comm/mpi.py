@@ -108,7 +108,9 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
     # The processes this one gave up on use TCP with it, at both ends
     mine = {**handshake.hello(), "unreachable": channels.unreachable()}
     try:
-        peer = await handshake.exchange(stream, mine, None if dial else channels.may_open)
+        peer = await handshake.exchange(
+            stream, mine, None if dial else channels.may_open
+        )
     except FatalCommClosedError as e:  # a refusal, at the connecting end
         message = f"Cannot connect to {dial}: {e}"
         handshake.log_refusal(message)
@@ -277,11 +279,15 @@ class MPI(Comm):
             ),
         )
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
-        large = [
-            i
-            for i, frame in enumerate(frames)
-            if mpi_gpu.is_device(frame) or frame.nbytes >= route.inline_size
-        ] if route else []
+        large = (
+            [
+                i
+                for i, frame in enumerate(frames)
+                if mpi_gpu.is_device(frame) or frame.nbytes >= route.inline_size
+            ]
+            if route
+            else []
+        )
         want_channel = bool(large) and channel is None
         if want_channel and route.dial:
             channels.open_soon(route.dial, route.peer)
@@ -302,7 +308,10 @@ class MPI(Comm):
             False,
             channel.id,
             tag,
-            [(i, mpi_gpu.nbytes(f), mpi_gpu.location(f)) for i, f in zip(large, over_mpi)],
+            [
+                (i, mpi_gpu.nbytes(f), mpi_gpu.location(f))
+                for i, f in zip(large, over_mpi)
+            ],
         )
         inline = [f for i, f in enumerate(frames) if i not in set(large)]
         staged = self._route.gpu == "staged" and any(map(mpi_gpu.is_device, over_mpi))

@@ -288,7 +288,9 @@ class Channels:
             # MPI progresses every receive while it blocks here
             ProgressEngine.current().drop_dead_senders()
             if same_world:
-                comm, rank = _join(peer["world"][1], process_id() if accepts else process)
+                comm, rank = _join(
+                    peer["world"][1], process_id() if accepts else process
+                )
             else:
                 comm, rank = self._meet(port, accepts, timeout), 0
         except MPI.Exception as e:

@@ -18,7 +18,7 @@ np = pytest.importorskip("numpy")
 import dask
 
 from distributed import Client, Scheduler
-from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
+from distributed.comm import CommClosedError, connect, mpi_channel
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
@@ -85,7 +85,9 @@ async def test_killed_peer_fails_pending_read(server):
 
 def _can_unshare_pid() -> bool:
     try:
-        return subprocess.run(UNSHARE_PID + ["true"], capture_output=True).returncode == 0
+        return (
+            subprocess.run(UNSHARE_PID + ["true"], capture_output=True).returncode == 0
+        )
     except OSError:
         return False
 
