@@ -86,6 +86,10 @@ class Head(NamedTuple):
         return cls(bool(want), channel, tag, frames)
 
 
+_PLAIN_HEAD = Head(False, 0, 0, []).pack()  # all frames on TCP
+_WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
+
+
 class _Route(NamedTuple):
     """What a comm needs to move frames over MPI, from its handshake"""
 
@@ -176,16 +180,17 @@ class MPI(Comm):
 
     async def read(self, deserializers=None):
         frames = await self._tcp.read_frames()
-        try:
-            head = Head.unpack(frames[0])
-        except (struct.error, IndexError, TypeError):
-            self.abort()
-            raise CommClosedError(f"{self}: garbled message head")
-        if head.want_channel and self._route and self._route.dial:
-            channels.open_soon(self._route.dial, self._route.peer)
-        frames = frames[1:]
-        if head.frames:
-            frames = await self._receive(head, frames)
+        if frames and frames[0] == _PLAIN_HEAD:
+            del frames[0]
+        else:
+            try:
+                head = Head.unpack(frames[0])
+            except (struct.error, IndexError, TypeError):
+                self.abort()
+                raise CommClosedError(f"{self}: garbled message head")
+            if head.want_channel and self._route and self._route.dial:
+                channels.open_soon(self._route.dial, self._route.peer)
+            frames = await self._receive(head, frames[1:])
         try:
             return await from_frames(
                 frames,
@@ -200,6 +205,8 @@ class MPI(Comm):
     async def _receive(self, head: Head, frames: list) -> list:
         """Receive the frames of a message that travel over MPI, and put them
         in their places among those that came over TCP"""
+        if not head.frames:
+            return frames
         route, channel = self._route, channels.by_id(head.channel)
         if channel is None or route is None:
             self.abort()
@@ -278,22 +285,17 @@ class MPI(Comm):
                 else None
             ),
         )
+        large = route and [
+            i for i, frame in enumerate(frames) if _goes_over_mpi(frame, route)
+        ]
+        if not large:
+            return self._tcp.write_frames([_PLAIN_HEAD, *frames])
+        if channel is None:
+            if route.dial:
+                channels.open_soon(route.dial, route.peer)
+                return self._tcp.write_frames([_PLAIN_HEAD, *frames])
+            return self._tcp.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
-        large = (
-            [
-                i
-                for i, frame in enumerate(frames)
-                if mpi_gpu.is_device(frame) or frame.nbytes >= route.inline_size
-            ]
-            if route
-            else []
-        )
-        want_channel = bool(large) and channel is None
-        if want_channel and route.dial:
-            channels.open_soon(route.dial, route.peer)
-        if channel is None or not large:
-            head = Head(want_channel and not route.dial, 0, 0, [])
-            return self._tcp.write_frames([head.pack(), *frames])
         return await self._write_over_mpi(channel, frames, large)
 
     async def _write_over_mpi(self, channel: Channel, frames: list, large: list):
@@ -432,6 +434,12 @@ class MPI(Comm):
             channel.comms.discard(self)
             if not channel.comms:
                 channels.release(channel)
+
+
+def _goes_over_mpi(frame, route: _Route) -> bool:
+    if isinstance(frame, bytes):  # msgpack's, pickle's: small
+        return len(frame) >= route.inline_size
+    return mpi_gpu.is_device(frame) or mpi_gpu.nbytes(frame) >= route.inline_size
 
 
 def _chunks(frame, size: int) -> list:

@@ -114,9 +114,10 @@ class Channels:
 
     def get(self, peer: str) -> Channel | None:
         """The open channel to process ``peer``"""
-        if peer == process_id():
+        channel = self._open.get(peer)
+        if channel is None and peer == process_id():
             return self._self_channel()
-        return self._open.get(peer)
+        return channel
 
     def to_others(self) -> list[Channel]:
         """The open channels to other processes"""
