@@ -38,8 +38,7 @@ async def run_workers(address: str, n: int) -> None:
     from distributed import Worker
 
     workers = [
-        Worker(address, nthreads=1, dashboard=False, silence_logs=40)
-        for _ in range(n)
+        Worker(address, nthreads=1, dashboard=False, silence_logs=40) for _ in range(n)
     ]
     await asyncio.gather(*workers)  # start them all
     await asyncio.Event().wait()  # until killed
@@ -73,12 +72,13 @@ def measure(protocol: str, n_workers: int, n_tasks: int) -> dict:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=log))
             with Client(address, timeout=120) as client:
                 client.wait_for_workers(per_process * PROCESSES, timeout=300)
-                scheduler = [
+                root = psutil.Process(procs[0].pid)
+                python = os.path.realpath(sys.executable)
+                (scheduler,) = [  # not mpiexec, nor Hydra's proxy
                     p
-                    for p in psutil.Process(procs[0].pid).children(recursive=True)
-                    + [psutil.Process(procs[0].pid)]
-                    if "dask_scheduler" in " ".join(p.cmdline())
-                ][-1]
+                    for p in [root, *root.children(recursive=True)]
+                    if p.exe() == python
+                ]
                 workers = [psutil.Process(p.pid) for p in procs[1:]]
                 time.sleep(2)  # settle after registering
                 s0, w0 = cpu(scheduler), sum(map(cpu, workers))

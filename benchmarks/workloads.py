@@ -1,7 +1,7 @@
 """Real Dask workloads on a scheduler and four workers: tcp:// vs mpi://.
 
     python benchmarks/workloads.py [--quick] [--out benchmarks/results]
-        [--rounds 2] [--repeat 3] [--threads 1] [--modes LocalCluster,mpiexec]
+        [--rounds 2] [--repeat 5] [--threads 1] [--modes LocalCluster,mpiexec]
         [--only transpose_sum,...]
 
 Each workload computes while its processes communicate:
@@ -34,7 +34,7 @@ ask for more than there is), and the default memory limits.
 tcp:// and mpi:// alternate: in each round, each mode starts a fresh cluster
 for each protocol, tcp first in one round and mpi first in the next (the two
 modes in opposite orders). Each cluster runs each workload once to warm up and
-then ``--repeat`` times (default 3; 1 with ``--quick``, which also makes the
+then ``--repeat`` times (default 5; 1 with ``--quick``, which also makes the
 sizes smaller: a check that everything works, not figures); a workload's
 figure is the median of its timed runs over all rounds. Also recorded per
 workload: bytes moved between workers (data fetched by workers from others,
@@ -563,7 +563,7 @@ def main() -> None:
     if set(args.only) - set(NAMES) or set(args.modes.split(",")) - set(MODES):
         parser.error(f"workloads are {NAMES}, modes {MODES}")
     rounds = args.rounds or 2
-    args.repeat = args.repeat or (1 if args.quick else 3)
+    args.repeat = args.repeat or (1 if args.quick else 5)
     timeout = 240 if args.quick else 600
     modes = args.modes.split(",")
     os.makedirs(args.out, exist_ok=True)
