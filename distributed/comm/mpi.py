@@ -278,11 +278,12 @@ class MPI(Comm):
                 **self.handshake_options,
             },
             # Over MPI, large frames travel in chunk-size pieces anyway, and
-            # shards would be copied together again on arrival
+            # shards would be copied together again on arrival (None: the
+            # default shard size)
             frame_split_size=(
                 TCP.max_shard_size
                 if channel is None or self.handshake_options.get("compression")
-                else None
+                else 2**62
             ),
         )
         large = route and [
