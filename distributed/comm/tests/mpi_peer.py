@@ -11,6 +11,14 @@ digests of the :class:`OnDevice` items of ``x``, ``x`` itself, and the
 only there and back, where a fault on the way out could undo one on the way
 back.
 
+``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
+normally, once FILE.exit exists.
+
+``python -m distributed.comm.tests.mpi_peer flood ADDRESS FILE`` connects to
+such a server, sends large frames over MPI until a channel is open, asks it to
+stop reading, writes three more messages whose frames stay pending in MPI,
+writes FILE and waits to be killed.
+
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips; it prints "over
 MPI" once large frames moved over an MPI channel.
@@ -72,6 +80,8 @@ async def handle(comm):
     try:
         while True:
             msg = await comm.read()
+            if isinstance(msg, dict) and msg.get("op") == "stop-reading":
+                await asyncio.Event().wait()
             if isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
             elif isinstance(msg, dict) and msg.get("op") == "echo":
@@ -95,7 +105,22 @@ async def handle(comm):
 async def serve(path):
     async with listen("mpi://127.0.0.1:0", handle) as listener:
         write(path, listener.contact_address)
-        await asyncio.Event().wait()  # until killed
+        while not os.path.exists(path + ".exit"):  # or until killed
+            await asyncio.sleep(0.1)
+
+
+async def flood(address, path):
+    comm = await connect(address)
+    array = np.arange(300_000)
+    while comm.channel is None:
+        await comm.write({"op": "sum", "x": to_serialize(array)})
+        await comm.read()
+        await asyncio.sleep(0.05)
+    await comm.write({"op": "stop-reading"})
+    for _ in range(3):
+        await comm.write({"op": "sum", "x": to_serialize(array)})
+    write(path, "flooded")
+    await asyncio.Event().wait()  # until killed
 
 
 async def ping(address):
@@ -156,6 +181,7 @@ def write(path, text):
 COMMANDS = {
     "serve": serve,
     "ping": ping,
+    "flood": flood,
     "port": port,
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,

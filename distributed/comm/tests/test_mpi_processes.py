@@ -110,6 +110,22 @@ def test_peer_on_this_host_in_another_pid_namespace(tmp_path):
         assert proc.poll() is None  # the server lives
 
 
+def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(tmp_path):
+    """A sender killed with frames still pending in MPI: at exit, the receiver
+    must not copy from its memory (UCX would abort it) and exits with 0"""
+    path, flooded = str(tmp_path / "address"), str(tmp_path / "flooded")
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with mpiexec([*PEER, "serve", path], **output) as receiver:
+        address = wait_for_file(path, receiver)
+        with mpiexec([*PEER, "flood", address, flooded]) as sender:
+            wait_for_file(flooded, sender)
+            sender.crash()
+        open(path + ".exit", "w").close()
+        out, _ = receiver.communicate(timeout=60)
+    assert receiver.returncode == 0, out
+    assert "Fatal" not in out and "Abort" not in out, out
+
+
 def test_separate_mpiexec_jobs(server):
     address, _ = server
     out = run_mpiexec([*PEER, "ping", address])
