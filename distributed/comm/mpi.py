@@ -151,6 +151,7 @@ class MPI(Comm):
         self._receives: set = set()  # engine futures of the read in progress
         self._sends: set = set()  # ... and of writes not complete
         self._posting = asyncio.Lock()  # held while a message's sends are posted
+        self._engine: ProgressEngine | None = None  # once a transfer is posted
 
     @property
     def local_address(self) -> str:
@@ -348,6 +349,7 @@ class MPI(Comm):
         """A function that posts the transfer of some chunks of a message,
         and returns the engine's future of it"""
         MPI, engine = get_mpi(), ProgressEngine.current()
+        self._engine = engine  # which tests the transfers: its loop's
         start = channel.comm.Irecv if receive else channel.comm.Isend
 
         def post(chunks: list) -> asyncio.Future:
@@ -416,7 +418,7 @@ class MPI(Comm):
         if ``cancel``)"""
         if not (self._receives or self._sends):
             return
-        engine = ProgressEngine.current()
+        engine = self._engine
         for fut in list(self._receives):
             engine.cancel(fut, CommClosedError(f"{self} closed"))
         for fut in list(self._sends):
