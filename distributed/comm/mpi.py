@@ -391,8 +391,8 @@ class MPI(Comm):
             config("stall-timeout"),
             self,
         )
+        self.abort()  # cancels the receives
         channels.give_up_on(channel.peer)
-        self.abort()
 
     async def close(self):
         """Close after the messages written so far: the peer reads them,
