@@ -212,7 +212,8 @@ class MPI(Comm):
         if channel is None or route is None:
             self.abort()
             raise CommClosedError(f"{self}: message on an unknown MPI channel")
-        if any(where for _, _, where in head.frames) and route.gpu is None:
+        on_device = any(where for _, _, where in head.frames)
+        if on_device and route.gpu is None:
             self.abort()
             raise CommClosedError(
                 f"{self}: the peer sent GPU frames, which this process cannot "
@@ -223,7 +224,7 @@ class MPI(Comm):
             mpi_gpu.device_buffer(size) if where else host_array(size)
             for _, size, where in head.frames
         ]
-        if any(where for _, _, where in head.frames):
+        if on_device:
             mpi_gpu.synchronize()  # the allocations, before anything writes
         post = self._poster(channel, head.tag, receive=True)
         try:
@@ -304,10 +305,6 @@ class MPI(Comm):
         self._use(channel)
         tag = channel.tag()
         over_mpi = [frames[i] for i in large]
-        # Like a TCP comm's write, return once the message is queued: the
-        # engine keeps the frames until MPI has sent them
-        sent = sum(map(mpi_gpu.nbytes, over_mpi))
-        channel.nbytes += sent
         head = Head(
             False,
             channel.id,
@@ -317,9 +314,14 @@ class MPI(Comm):
                 for i, f in zip(large, over_mpi)
             ],
         )
+        # Like a TCP comm's write, return once the message is queued: the
+        # engine keeps the frames until MPI has sent them
+        sent = sum(size for _, size, _ in head.frames)
+        channel.nbytes += sent
         inline = [f for i, f in enumerate(frames) if i not in set(large)]
-        staged = self._route.gpu == "staged" and any(map(mpi_gpu.is_device, over_mpi))
-        if any(map(mpi_gpu.is_device, over_mpi)):
+        on_device = any(where for _, _, where in head.frames)
+        staged = on_device and self._route.gpu == "staged"
+        if on_device:
             mpi_gpu.synchronize(over_mpi)  # their producers are done
         post = self._poster(channel, tag, receive=False)
         try:

@@ -246,11 +246,10 @@ class Channels:
             logger.info("Cannot reach %s to open an MPI channel: %s", address, e)
             return
         try:
-            await asyncio.wait_for(
-                handshake.send(tcp.stream, {**handshake.hello(), "open": True}),
-                timeout,
+            mine = {**handshake.hello(), "open": True}
+            reply = await asyncio.wait_for(
+                handshake.exchange(tcp.stream, mine), timeout
             )
-            reply = await asyncio.wait_for(handshake.recv(tcp.stream), timeout)
             if reply.get("process") == peer["process"] and reply.get("open"):
                 await self.open(tcp.stream, reply)
         except Exception as e:
