@@ -188,29 +188,48 @@ def process_id() -> str:
 def world() -> tuple[str, int] | None:
     """The mpiexec job of this process and its rank there; None when it is
     alone in its MPI_COMM_WORLD (a plain ``python``, or ``mpiexec -n 1``).
-    Every handshake asks, and finding Hydra's proxy walks the process tree:
-    it is worked out once."""
+
+    Ranks of one job, on any host, must name it alike, and tell it apart
+    from every other job, without asking each other: not every rank need
+    start MPI.  Every handshake asks, and finding Hydra's proxy walks the
+    process tree: it is worked out once."""
     comm = get_mpi().COMM_WORLD
     if comm.size == 1:
         return None
+    return f"{_job()}/{comm.size}", comm.rank
+
+
+def _job() -> str:
     env = os.environ
+    # Hydra's proxy first: an mpiexec in a Slurm job inherits its variables
+    if job := _hydra_job():
+        return job
     if "PMIX_NAMESPACE" in env:  # Open MPI, and launchers speaking PMIx
-        job = env["PMIX_NAMESPACE"]
-    elif "SLURM_STEP_ID" in env:
-        job = f"slurm/{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    else:  # ranks on one host share their job's proxy (Hydra)
-        job = f"{socket.gethostname()}/{_launcher_pid()}"
-    return f"{job}/{comm.size}", comm.rank
+        return env["PMIX_NAMESPACE"]
+    if "SLURM_STEP_ID" in env:  # srun --mpi=pmi2
+        return f"slurm/{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    return f"{socket.gethostname()}/{os.getppid()}"  # the launcher, our parent
 
 
-def _launcher_pid() -> int:
-    """Hydra's proxy that started this process, perhaps through a wrapper
-    script (``mpiexec -n 4 ./run.sh``); else the parent process"""
+def _hydra_job() -> str | None:
+    """The job of Hydra's proxy that started this process, perhaps through a
+    wrapper script (``mpiexec -n 4 ./run.sh``): the address of its mpiexec
+    (``--control-port HOST:PORT``), which every proxy of the job is given,
+    on every host, and the process group (``--pgid``, new for each
+    MPI_Comm_spawn)"""
     for parent in psutil.Process().parents():
         with contextlib.suppress(psutil.Error):
             if parent.name().startswith("hydra_pmi_prox"):
-                return parent.pid
-    return os.getppid()
+                args = parent.cmdline()
+                if "--control-port" in args[:-1]:
+                    port = args[args.index("--control-port") + 1]
+                    pgid = (
+                        args[args.index("--pgid") + 1] if "--pgid" in args[:-1] else 0
+                    )
+                    return f"hydra/{port}/{pgid}"
+                # Another Hydra: its proxy on this host, at least
+                return f"hydra/{socket.gethostname()}/{parent.pid}"
+    return None
 
 
 def library() -> str:

@@ -168,14 +168,17 @@ class SimulatedHosts:
         if self._closed:
             return
         self._closed = True
-        for init in [*self._inits.values(), *([self._relay] if self._relay else [])]:
+        helpers = [*self._inits.values(), *([self._relay] if self._relay else [])]
+        for helper in helpers:
             with contextlib.suppress(OSError):
-                init.stdin.close()  # its first process exits on EOF
-            with contextlib.suppress(OSError):
-                init.kill()
-        for init in [*self._inits.values(), *([self._relay] if self._relay else [])]:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                init.wait(10)
+                helper.stdin.close()  # it exits on EOF
+        for helper in helpers:
+            try:
+                helper.wait(5)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+            helper.stdout.close()
         with self._locked():
             _teardown(self.tag, list(self._pids.values()))
 
@@ -392,9 +395,9 @@ def relay(directory: str) -> None:
                 os.close(fd)
             running.add(proc)
             # ssh dies, its command too: wait for either
-            watch = threading.Thread(target=lambda: (conn.recv(1), _killpg(proc)))
-            watch.daemon = True
-            watch.start()
+            threading.Thread(
+                target=_kill_on_eof, args=(conn, proc), daemon=True
+            ).start()
             code = proc.wait()
             running.discard(proc)
             with contextlib.suppress(OSError):
@@ -410,6 +413,12 @@ def relay(directory: str) -> None:
     sys.stdin.read()
     for proc in list(running):
         _killpg(proc)
+
+
+def _kill_on_eof(conn: socket.socket, proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        conn.recv(1)
+    _killpg(proc)
 
 
 def _killpg(proc: subprocess.Popen) -> None:

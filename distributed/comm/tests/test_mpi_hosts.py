@@ -1,0 +1,242 @@
+"""mpi:// across hosts, simulated on this machine (see ``simulated_hosts``):
+real processes on different hosts, each test checking that data between
+workers on different hosts moved over MPI.  The test process is on none of
+the hosts' networks: a client runs on a host (``mpi_hosts_client``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mpi4py")
+pytest.importorskip("numpy")
+
+from distributed.comm.tests.mpi_processes import _env, mpiexec, wait_for_file
+from distributed.comm.tests.simulated_hosts import SimulatedHosts, skip_reason
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = ["-m", "distributed.cli.dask_worker", "--nthreads", "1", "--no-dashboard"]
+SCHEDULER = ["-m", "distributed.cli.dask_scheduler", "--no-dashboard"]
+SIZE = 2**24  # bytes of each array the client moves
+
+
+@pytest.fixture
+def simulated_hosts():
+    """``simulated_hosts(n, **kwargs)``: :class:`SimulatedHosts`, closed at the
+    end of the test; the test skips where hosts cannot be simulated"""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **kwargs: stack.enter_context(
+            SimulatedHosts(*args, **kwargs)
+        )
+
+
+def on(hosts: SimulatedHosts, name: str, **env) -> list[str]:
+    """A prefix that runs mpiexec (:func:`mpiexec`) on host ``name``"""
+    return hosts.command(name, [], env=env)
+
+
+def hydra(hosts: SimulatedHosts, spread: dict[str, int]) -> list[str]:
+    """mpiexec's options for one job over several hosts"""
+    spec = ",".join(f"{name}:{n}" for name, n in spread.items())
+    return ["-launcher", "ssh", "-launcher-exec", hosts.fake_ssh, "-hosts", spec]
+
+
+@contextlib.contextmanager
+def client_process(hosts: SimulatedHosts, name: str, scheduler: str, n: int, *args):
+    """``mpi_hosts_client`` running on host ``name``"""
+    command = [sys.executable, "-m", "distributed.comm.tests.mpi_hosts_client"]
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    argv = [*command, scheduler, str(n), *args]
+    with hosts.popen(name, argv, env=_env(), **output) as proc:
+        try:
+            yield proc
+        finally:
+            proc.kill()
+
+
+def client_report(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=150)
+    for line in out.splitlines():
+        if line.startswith("REPORT "):
+            return json.loads(line[len("REPORT ") :])
+    raise AssertionError(f"no report ({proc.returncode}):\n{out}")
+
+
+def client(hosts: SimulatedHosts, name: str, scheduler: str, n: int) -> dict:
+    """Run ``mpi_hosts_client`` on host ``name``; its report"""
+    with client_process(hosts, name, scheduler, n) as proc:
+        return client_report(proc)
+
+
+def check_across_hosts(hosts: SimulatedHosts, report: dict, nhosts: int) -> None:
+    """Workers on ``nhosts`` hosts, each advertising its own host's address,
+    computed right, and moved the data between them over MPI"""
+    assert report["right"], report
+    workers = report["workers"].values()
+    assert len({w["hostname"] for w in workers}) == nhosts, report
+    for address, worker in report["workers"].items():
+        assert worker["host"] == hosts.address(worker["hostname"]), report
+        assert f"//{worker['host']}:" in address
+        # At least the arrays it sent and received, over channels to
+        # workers on other hosts
+        assert worker["moved"] >= SIZE, report
+
+
+def test_dask_cli_under_one_mpiexec_across_hosts(simulated_hosts, tmp_path):
+    """One job over three hosts: the scheduler and a worker on one, a worker
+    on each other.  The two workers on other hosts know they are ranks of
+    one job: their channel was made by MPI_Comm_create_group"""
+    hosts = simulated_hosts(3)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*hydra(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "3", *WORKER]
+    args += ["--no-nanny", "--scheduler-file", path]
+    with mpiexec(args, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        report = client(hosts, a, path, 3)
+    check_across_hosts(hosts, report, 3)
+    worlds = {w["world"][0] for w in report["workers"].values()}
+    ranks = sorted(w["world"][1] for w in report["workers"].values())
+    assert len(worlds) == 1 and ranks == [1, 2, 3], report
+    for worker in report["workers"].values():
+        assert worker["channels"], report
+        assert not any(c["inter"] for c in worker["channels"]), report
+
+
+def test_separate_launches_on_different_hosts(simulated_hosts, tmp_path):
+    """The scheduler on one host, each worker its own ``mpiexec -n 1`` on
+    another, with a nanny (the default)"""
+    hosts = simulated_hosts(3)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    scheduler = ["-n", "1", *SCHEDULER, "--protocol", "mpi", "--scheduler-file", path]
+    worker = ["-n", "1", *WORKER, "--scheduler-file", path]
+    with mpiexec(scheduler, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        with mpiexec(worker, prefix=on(hosts, b)), mpiexec(worker, prefix=on(hosts, c)):
+            report = client(hosts, a, path, 2)
+    check_across_hosts(hosts, report, 2)
+    for worker in report["workers"].values():
+        assert worker["world"] is None  # a nanny's worker is a job of its own
+        assert all(c["inter"] for c in worker["channels"]), report
+
+
+def test_dask_mpi_across_hosts(simulated_hosts, tmp_path):
+    """``dask-mpi --protocol mpi`` over three hosts: the scheduler on the
+    first, workers (with nannies) on the others; a client on the first"""
+    hosts = simulated_hosts(3)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*hydra(hosts, {a: 1, b: 1, c: 1}), "-n", "3", "dask-mpi"]
+    args += ["--protocol", "mpi", "--scheduler-file", path, "--nthreads", "1"]
+    args += ["--no-dashboard"]
+    with mpiexec(args, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        report = client(hosts, a, path, 2)
+    check_across_hosts(hosts, report, 2)
+    assert {w["hostname"] for w in report["workers"].values()} == {b, c}
+
+
+def test_client_outside_the_job_over_tcp(simulated_hosts, tmp_path):
+    """The scheduler listens on mpi:// for workers and tcp:// for clients: a
+    client on a host that is not in the job drives it over TCP, and the
+    workers still move data between them over MPI"""
+    hosts = simulated_hosts(3)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*hydra(hosts, {a: 1, b: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi,tcp", "--port", "8786,8788", "--scheduler-file", path]
+    args += [":", "-n", "2", *WORKER, "--no-nanny", f"mpi://{a}:8786"]
+    with mpiexec(args, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        report = client(hosts, c, f"tcp://{hosts.address(a)}:8788", 2)
+    check_across_hosts(hosts, report, 2)
+    assert report["scheduler"].startswith("tcp://")
+
+
+def test_worker_killed_on_another_host_while_data_moves(simulated_hosts, tmp_path):
+    """A worker SIGKILLed on its host while arrays move between hosts: the
+    computation finishes on the workers left, right, and the cluster goes
+    on, without a hang"""
+    hosts = simulated_hosts(2)
+    a, b = hosts.names
+    path, killfile = str(tmp_path / "scheduler.json"), str(tmp_path / "kill")
+    scheduler = ["-n", "1", *SCHEDULER, "--protocol", "mpi", "--scheduler-file", path]
+    worker = ["-n", "1", *WORKER, "--scheduler-file", path, "--no-nanny"]
+    with mpiexec(scheduler, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        with mpiexec(worker, prefix=on(hosts, b)), mpiexec(worker, prefix=on(hosts, a)):
+            python = os.path.realpath(sys.executable)
+            with client_process(hosts, a, path, 2, "kill", killfile) as proc:
+                wait_for_file(killfile, proc, timeout=90)
+                [victim] = [p for p in hosts.processes(b) if p.exe() == python]
+                victim.kill()
+                report = client_report(proc)
+            assert job.poll() is None  # the scheduler lives
+    assert report["wrong"] == 0, report
+    # Recomputed on the worker left; none lost for good
+    assert report["right"] + len(report["errors"]) == 40, report
+    assert report["right"] >= 20, report
+    assert report["after"], report
+    [survivor] = report["workers"].values()
+    assert survivor["hostname"] == a
+
+
+def test_workers_advertise_their_own_hosts_address(simulated_hosts, tmp_path):
+    """Two workers per host, one job with nannies: the scheduler knows each
+    by its host's address"""
+    hosts = simulated_hosts(2)
+    a, b = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*hydra(hosts, {a: 2, b: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "2", *WORKER]
+    args += ["--scheduler-file", path]
+    with mpiexec(args, prefix=on(hosts, a)) as job:
+        wait_for_file(path, job)
+        report = client(hosts, b, path, 2)
+    check_across_hosts(hosts, report, 2)
+    hostnames = {w["hostname"]: w["host"] for w in report["workers"].values()}
+    assert hostnames == {name: hosts.address(name) for name in hosts.names}
+    assert report["scheduler"].startswith(f"mpi://{hosts.address(a)}:")
+
+
+@pytest.mark.parametrize("interface", ["eth0", "eth1"])
+def test_mpi_traffic_goes_over_the_interface_named(
+    simulated_hosts, interface, tmp_path
+):
+    """Hosts with two networks: with ``UCX_NET_DEVICES`` (``FI_TCP_IFACE``
+    for libfabric), MPI moves data between hosts over the interface named,
+    whichever network host names resolve to; TCP (the comms' messages) goes
+    over eth0, where the host names resolve"""
+    hosts = simulated_hosts(2, interfaces=2)
+    a, b = hosts.names
+    env = {"UCX_NET_DEVICES": interface, "FI_TCP_IFACE": interface}
+    path, pause = str(tmp_path / "scheduler.json"), str(tmp_path / "pause")
+    args = [*hydra(hosts, {a: 2, b: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "2"]
+    args += [*WORKER, "--no-nanny", "--scheduler-file", path]
+    with mpiexec(args, prefix=on(hosts, a, **env)) as job:
+        wait_for_file(path, job)
+        with client_process(hosts, a, path, 2, "pause", pause) as proc:
+            # Between the rounds: the second moves over the channels
+            wait_for_file(pause, proc, timeout=120)
+            before = {i: hosts.interface_bytes(b, i) for i in ["eth0", "eth1"]}
+            open(pause + ".go", "w").close()
+            report = client_report(proc)
+            after = {i: hosts.interface_bytes(b, i) for i in ["eth0", "eth1"]}
+    check_across_hosts(hosts, report, 2)
+    moved = {i: after[i] - before[i] for i in before}
+    other = "eth1" if interface == "eth0" else "eth0"
+    # An array each way in the second round, and hardly anything else
+    assert moved[interface] >= 2 * SIZE, moved
+    assert moved[other] < SIZE // 4, moved
