@@ -210,17 +210,25 @@ def test_workers_advertise_their_own_hosts_address(simulated_hosts, tmp_path):
     assert report["scheduler"].startswith(f"mpi://{hosts.address(a)}:")
 
 
-@pytest.mark.parametrize("interface", ["eth0", "eth1"])
+@pytest.mark.parametrize(
+    "netmod,interface", [("ucx", "eth0"), ("ucx", "eth1"), ("ofi", "eth1")]
+)
 def test_mpi_traffic_goes_over_the_interface_named(
-    simulated_hosts, interface, tmp_path
+    simulated_hosts, netmod, interface, tmp_path
 ):
-    """Hosts with two networks: with ``UCX_NET_DEVICES`` (``FI_TCP_IFACE``
-    for libfabric), MPI moves data between hosts over the interface named,
-    whichever network host names resolve to; TCP (the comms' messages) goes
-    over eth0, where the host names resolve"""
+    """Hosts with two networks: MPICH moves data between hosts over the
+    interface named by ``UCX_NET_DEVICES`` (its default netmod, UCX) or
+    ``FI_TCP_IFACE`` (libfabric's tcp provider), whichever network host
+    names resolve to; the comms' TCP connections use eth0, where they do"""
     hosts = simulated_hosts(2, interfaces=2)
     a, b = hosts.names
-    env = {"UCX_NET_DEVICES": interface, "FI_TCP_IFACE": interface}
+    other = "eth1" if interface == "eth0" else "eth0"
+    # The setting of the netmod not used names the other interface
+    if netmod == "ofi":
+        env = {"FI_TCP_IFACE": interface, "UCX_NET_DEVICES": other}
+        env.update(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+    else:
+        env = {"UCX_NET_DEVICES": interface, "FI_TCP_IFACE": other}
     path, pause = str(tmp_path / "scheduler.json"), str(tmp_path / "pause")
     args = [*hydra(hosts, {a: 2, b: 1}), "-n", "1", *SCHEDULER]
     args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "2"]
@@ -236,7 +244,6 @@ def test_mpi_traffic_goes_over_the_interface_named(
             after = {i: hosts.interface_bytes(b, i) for i in ["eth0", "eth1"]}
     check_across_hosts(hosts, report, 2)
     moved = {i: after[i] - before[i] for i in before}
-    other = "eth1" if interface == "eth0" else "eth0"
     # An array each way in the second round, and hardly anything else
     assert moved[interface] >= 2 * SIZE, moved
     assert moved[other] < SIZE // 4, moved
