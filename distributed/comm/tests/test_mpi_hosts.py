@@ -10,14 +10,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 pytest.importorskip("mpi4py")
 pytest.importorskip("numpy")
 
 from distributed.comm.tests.mpi_processes import _env, mpiexec, wait_for_file
-from distributed.comm.tests.simulated_hosts import SimulatedHosts, skip_reason
+from distributed.comm.tests.simulated_hosts import STATE, SimulatedHosts, skip_reason
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -247,3 +249,38 @@ def test_mpi_traffic_goes_over_the_interface_named(
     # An array each way in the second round, and hardly anything else
     assert moved[interface] >= 2 * SIZE, moved
     assert moved[other] < SIZE // 4, moved
+
+
+def test_what_a_killed_test_process_left_is_swept(simulated_hosts):
+    """Hosts of a process killed with SIGKILL: their processes die with it,
+    and the next instance removes their namespaces, mounts and files"""
+    code = (
+        "import time; from distributed.comm.tests.simulated_hosts import *; "
+        "h = SimulatedHosts(2); h.popen(h.names[1], ['sleep', '599.5']); "
+        "print(h.tag, flush=True); time.sleep(600)"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env()
+    ) as proc:
+        tag = proc.stdout.readline().strip()
+        proc.kill()
+    prefix = f"simhost-{tag}-"
+
+    def left() -> list[str]:
+        found = [ns for ns in os.listdir("/run/netns") if ns.startswith(prefix)]
+        found += [ns for ns in os.listdir("/etc/netns") if ns.startswith(prefix)]
+        with open("/proc/self/mountinfo") as f:
+            found += [line for line in f if f"/{tag}/" in line]
+        found += [p for p in os.listdir(STATE) if p.startswith(tag)]
+        return found
+
+    assert tag and left()
+    simulated_hosts(2)
+    assert not left()
+    deadline = time.monotonic() + 10
+    while any(
+        p.info["cmdline"] and p.info["cmdline"][-1] == "599.5"
+        for p in psutil.process_iter(["cmdline"])
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
