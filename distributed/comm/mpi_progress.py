@@ -9,9 +9,13 @@ would compete for the GIL.
 The engine polls only while a transfer is in flight: a message's head arrives
 on the comm's TCP connection, which wakes the event loop through the kernel,
 and its reader posts the receives of the frames (see ``distributed.comm.mpi``).
-Nothing polls while no data moves.  While data moves, the engine polls on
-every loop iteration for ``busy-poll-time`` after any progress, then backs off
-exponentially, up to ``poll-interval`` between polls.
+Nothing polls while no data moves.  While this process receives, the engine
+polls on every loop iteration for ``busy-poll-time`` after any progress, then
+backs off exponentially, up to ``poll-interval`` between polls.  While it only
+sends, it polls every ``poll-interval``: between processes on one host the
+receiver copies the data out of the sender's memory in its own calls into MPI
+(CMA), so a sender that polled on would only take a core from it (and from
+the tasks) to learn a little earlier that its buffers are free.
 
 Before each call into MPI the engine cancels the receives from peer processes
 on this host that died (see ``distributed.comm.mpi_liveness``).
@@ -36,11 +40,12 @@ class Stalled(CommClosedError):
 
 
 class _Transfer:
-    __slots__ = ("requests", "keepalive", "sender", "stall_after", "last")
+    __slots__ = ("requests", "keepalive", "receive", "sender", "stall_after", "last")
 
-    def __init__(self, requests, keepalive, sender, stall_after, now):
+    def __init__(self, requests, keepalive, receive, sender, stall_after, now):
         self.requests = requests
         self.keepalive = keepalive  # the buffers, until MPI is done with them
+        self.receive = receive
         self.sender = sender  # a LocalPeer this receives from
         self.stall_after = stall_after
         self.last = now  # when a request of it last completed
@@ -80,7 +85,7 @@ class ProgressEngine:
     def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
         """A future that is done when all ``requests`` have completed;
         ``keepalive`` (their buffers) is referenced until then"""
-        return self._add(requests, keepalive, None, None)
+        return self._add(requests, keepalive, False, None, None)
 
     def receive(
         self, requests: list, keepalive: Any, sender: LocalPeer | None
@@ -90,17 +95,21 @@ class ProgressEngine:
         wrote the message's head, so a receive that gets nothing for
         ``stall-timeout`` means that MPI stopped delivering: it fails with
         :class:`Stalled`"""
-        return self._add(requests, keepalive, sender, self.stall_timeout)
+        return self._add(requests, keepalive, True, sender, self.stall_timeout)
 
-    def _add(self, requests, keepalive, sender, stall_after) -> asyncio.Future:
+    def _add(self, requests, keepalive, receive, sender, stall_after):
         fut = self._loop.create_future()
         self.drop_dead_senders()  # just before MPI may start to copy
         if self._MPI.Request.Testall(requests):
             fut.set_result(None)
             return fut
-        entry = _Transfer(requests, keepalive, sender, stall_after, self._loop.time())
+        now = self._loop.time()
+        entry = _Transfer(requests, keepalive, receive, sender, stall_after, now)
         self._transfers[fut] = entry
-        self.wake()
+        if receive:
+            self.wake()
+        elif self._handle is None and not self._loop.is_closed():
+            self._handle = self._loop.call_later(self.poll_interval, self._poll)
         return fut
 
     def orphan(self, requests: list, keepalive: Any = None) -> None:
@@ -160,6 +169,8 @@ class ProgressEngine:
         if not self._transfers:
             # Only abandoned ones, which nobody waits for
             self._handle = self._loop.call_later(0.1, self._poll)
+        elif not any(entry.receive for entry in self._transfers.values()):
+            self._handle = self._loop.call_later(self.poll_interval, self._poll)
         elif now - self._last_progress < self.busy_poll_time:
             self._handle = self._loop.call_soon(self._poll)
         else:
