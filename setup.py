@@ -44,7 +44,7 @@ setup(
     install_requires=meta["dependencies"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
-        "test": ["pytest", "pytest-timeout", "numpy", "dask-mpi"],
+        "test": ["pytest", "pytest-timeout", "numpy", "dask-mpi", "dask-jobqueue"],
         "benchmarks": ["numpy", "dask[dataframe]", "matplotlib"],
         # upstream's own test suite (continuous_integration/upstream_tests.py)
         "upstream-tests": [
