@@ -53,7 +53,7 @@ from dask.utils import parse_timedelta
 from distributed.comm import mpi_handshake as handshake
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer
-from distributed.comm.mpi_progress import ProgressEngine
+from distributed.comm.mpi_progress import ProgressEngine, left_in_flight
 from distributed.comm.mpi_startup import before_finalize, config, get_mpi, process_id
 
 logger = logging.getLogger(__name__)
@@ -352,20 +352,97 @@ class Channels:
         get_mpi().Close_port(self._ports.pop(port, port))
 
     def drain(self, MPI, quiet: float = 0.01, limit: float = 1.0) -> None:
-        """At exit, receive the small frames left on channels to live peers
-        until nothing came for ``quiet`` seconds: UCX would print a warning
-        about each.  None from a dead peer: UCX would copy from it, and
-        abort this process."""
-        channels = [
-            c
-            for c in self._by_id.values()
-            if c.peer != process_id() and not (c.sender and c.sender.died())
-        ]
+        """At exit, for up to ``limit`` seconds: receive what peers sent that
+        nobody received, until nothing came for ``quiet`` seconds, and let
+        the transfers in flight complete.  UCX warns at MPI_Finalize about
+        each message left unreceived and each request not complete, and a
+        peer's sends complete only once this process received them.  Nothing
+        from a peer on this host that died: UCX would copy from its memory,
+        and abort this process."""
+        _Drain(MPI, list(self._by_id.values()), left_in_flight()).run(quiet, limit)
+
+
+class _Drain:
+    """The exit drain of :meth:`Channels.drain`"""
+
+    def __init__(self, MPI, channels: list[Channel], in_flight: list):
+        self.MPI = MPI
+        self.channels = channels
+        self.in_flight = in_flight  # (requests, buffers, sender on this host)
+
+    def run(self, quiet: float, limit: float) -> None:
         start = last = time.monotonic()
-        while time.monotonic() - last < quiet and time.monotonic() - start < limit:
-            for channel in channels:
-                if _receive_leftovers(MPI, channel, 65536):
-                    last = time.monotonic()
+        while time.monotonic() - start < limit:
+            came = False
+            for channel in list(self.channels):
+                came |= self._receive_leftovers(channel)
+            if self._test():
+                last = time.monotonic()
+            if came:
+                last = time.monotonic()
+            elif not self.in_flight and time.monotonic() - last >= quiet:
+                return
+        # The peer stopped sending half-way, or a receiver does not read
+        for requests, _, sender in self.in_flight:
+            if sender is not None:  # a receive; MPICH cannot cancel sends
+                for request in requests:
+                    with contextlib.suppress(self.MPI.Exception):
+                        request.Cancel()
+
+    def _drop_dead(self) -> None:
+        """Before each call into MPI, which may copy from any sender: forget
+        the channels to peers that died, cancel the receives from them"""
+        dead = {}
+
+        def died(peer: LocalPeer | None) -> bool:
+            if peer is None:
+                return False
+            if peer.pid not in dead:
+                dead[peer.pid] = peer.died()
+            return dead[peer.pid]
+
+        self.channels = [c for c in self.channels if not died(c.sender)]
+        for requests, _, sender in self.in_flight:
+            if died(sender):
+                for request in requests:
+                    with contextlib.suppress(self.MPI.Exception):
+                        request.Cancel()
+        self.in_flight = [x for x in self.in_flight if not died(x[2])]
+
+    def _receive_leftovers(self, channel: Channel) -> bool:
+        """Receive what the peer sent that nobody received; whether any came"""
+        MPI, status, came = self.MPI, self.MPI.Status(), False
+        while True:
+            self._drop_dead()
+            if channel not in self.channels:
+                return came
+            try:
+                message = channel.comm.Improbe(channel.rank, MPI.ANY_TAG, status)
+            except MPI.Exception:
+                return came
+            if not message:
+                return came
+            buffer = bytearray(status.Get_count(MPI.BYTE))
+            self._drop_dead()
+            request = message.Irecv([buffer, MPI.BYTE])
+            self.in_flight.append(([request], buffer, channel.sender))
+            came = True
+
+    def _test(self) -> bool:
+        """Test the transfers in flight; whether any completed"""
+        completed = False
+        for entry in list(self.in_flight):
+            self._drop_dead()
+            if not any(entry is e for e in self.in_flight):
+                continue  # from a peer that died
+            try:
+                done = self.MPI.Request.Testall(entry[0])
+            except self.MPI.Exception:
+                done = True
+            if done:
+                self.in_flight = [e for e in self.in_flight if e is not entry]
+                completed = True
+        return completed
 
 
 def _join(peer_rank: int, acceptor: str):
@@ -381,20 +458,6 @@ def _join(peer_rank: int, acceptor: str):
     finally:
         group.Free()
     return comm, ranks.index(peer_rank)
-
-
-def _receive_leftovers(MPI, channel: Channel, limit: int) -> bool:
-    """Receive what the peer sent that nobody received, up to ``limit``
-    bytes each (a larger one may wait for a sender that is gone).  Whether
-    any came."""
-    status, came = MPI.Status(), False
-    while message := channel.comm.Improbe(channel.rank, MPI.ANY_TAG, status):
-        nbytes = status.Get_count(MPI.BYTE)
-        if nbytes > limit:
-            break
-        message.Recv(bytearray(nbytes))
-        came = True
-    return came
 
 
 @functools.cache

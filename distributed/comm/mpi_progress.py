@@ -34,6 +34,9 @@ from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_startup import config, get_mpi
 
+# What the engines of collected loops left in flight
+_left: list[tuple[list, Any, LocalPeer | None]] = []
+
 
 class Stalled(CommClosedError):
     """A receive to which MPI delivered nothing for ``stall-timeout``"""
@@ -146,6 +149,19 @@ class ProgressEngine:
         """How many transfers and abandoned ones are not complete"""
         return len(self._transfers) + len(self._orphans)
 
+    def in_flight(self) -> list[tuple[list, Any, LocalPeer | None]]:
+        """The requests not complete, their buffers, and the peer on this
+        host they receive from (None for sends and abandoned transfers)"""
+        return [
+            (entry.requests, entry.keepalive, entry.sender)
+            for entry in self._transfers.values()
+        ] + [(requests, keepalive, None) for requests, keepalive, _ in self._orphans]
+
+    def __del__(self, left=_left):  # bound now: at shutdown, globals are None
+        # Its loop is gone, but MPI may still use the buffers: the exit drain
+        # completes what is left (see mpi_channel.Channels.drain)
+        left.extend(entry for entry in self.in_flight() if any(entry[0]))
+
     def wake(self) -> None:
         """Poll soon: something was posted"""
         self._last_progress = self._loop.time()
@@ -233,3 +249,14 @@ class ProgressEngine:
                 continue
             pending.append((requests, keepalive, deadline))
         self._orphans = pending
+
+
+def left_in_flight() -> list[tuple[list, Any, LocalPeer | None]]:
+    """At exit: what the engines of loops that stopped left in flight (see
+    :meth:`ProgressEngine.in_flight`); engines of loops still running in other
+    threads test their own"""
+    left = list(_left)
+    for loop, engine in list(ProgressEngine._engines.items()):
+        if not loop.is_running():
+            left += engine.in_flight()
+    return left

@@ -126,6 +126,27 @@ def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(tmp_pa
     assert "Fatal" not in out and "Abort" not in out, out
 
 
+def test_processes_exit_without_ucx_warnings_after_frames_left_unread(tmp_path):
+    """A reader that stopped reading with frames pending over MPI: at exit,
+    the receiver receives and drops them, and the sender's sends complete.
+    UCX warned at MPI_Finalize about each message left unmatched (receiver)
+    and each request not complete (sender)"""
+    path, flooded = str(tmp_path / "address"), str(tmp_path / "flooded")
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with mpiexec([*PEER, "serve", path], **output) as receiver:
+        address = wait_for_file(path, receiver)
+        with mpiexec([*PEER, "flood", address, flooded], **output) as sender:
+            wait_for_file(flooded, sender)
+            open(path + ".exit", "w").close()
+            received, _ = receiver.communicate(timeout=60)
+            open(flooded + ".exit", "w").close()
+            sent, _ = sender.communicate(timeout=60)
+    assert receiver.returncode == 0, received
+    assert sender.returncode == 0, sent
+    assert "UCX" not in received, received
+    assert "UCX" not in sent, sent
+
+
 def test_separate_mpiexec_jobs(server):
     address, _ = server
     out = run_mpiexec([*PEER, "ping", address])
