@@ -190,10 +190,41 @@ def pauses_lines(pauses: dict) -> list[str]:
     return lines
 
 
+def hosts_lines(hosts: dict) -> list[str]:
+    """``hosts.py``: ping-pong and workloads across simulated hosts"""
+    s = hosts["settings"]
+    lines = [
+        f"eth0 of each host: `{s['cap']}` (capped); MPI: {s['mpi_path']}.",
+        "",
+        "| | "
+        + " | ".join(
+            f"tcp:// {k} | mpi:// {k} | mpi/tcp {k}" for k in hosts["pingpong"]
+        )
+        + " |",
+        "|---|" + "---:|" * 3 * len(hosts["pingpong"]),
+    ]
+    first = next(iter(hosts["pingpong"].values()))
+    for key in first["tcp://"]:
+        row = f"| ping-pong {key} |"
+        for pp in hosts["pingpong"].values():
+            tcp, mpi = pp["tcp://"][key], pp["mpi://"][key]
+            row += f" {tcp * 1e6:.0f} us | {mpi * 1e6:.0f} us | {mpi / tcp:.2f} |"
+        lines.append(row)
+    for name in next(iter(hosts["workloads"].values())):
+        row = f"| {name} |"
+        for table in hosts["workloads"].values():
+            r = table[name]
+            row += f" {r['tcp://']['seconds']:.3f} s | {r['mpi://']['seconds']:.3f} s | {r['mpi/tcp']:.2f} |"
+        lines.append(row)
+    if hosts.get("problems"):
+        lines += ["", "Problems: " + "; ".join(hosts["problems"])]
+    return lines
+
+
 def main(out: str) -> None:
-    pp, apps, idle, conn, wl, pauses = (
+    pp, apps, idle, conn, wl, pauses, hosts = (
         load(out, n)
-        for n in ["pingpong", "apps", "idle", "connect", "workloads", "pauses"]
+        for n in ["pingpong", "apps", "idle", "connect", "workloads", "pauses", "hosts"]
     )
     lines = ["# Benchmark summary", ""]
     first = next((r for r in (pp, wl, pauses) if r and "machine" in r), None)
@@ -220,6 +251,8 @@ def main(out: str) -> None:
         lines += (
             ["## Ping-pong, one-way latency (median)", ""] + pingpong_lines(pp) + [""]
         )
+    if hosts:
+        lines += ["## Across simulated hosts (median)", ""] + hosts_lines(hosts) + [""]
     if apps:
         lines += [
             "## Applications",
