@@ -19,9 +19,6 @@ such a server, sends large frames over MPI until a channel is open, asks it to
 stop reading, writes three more messages whose frames stay pending in MPI,
 writes FILE and waits to be killed, or exits once FILE.exit exists.
 
-``python -m distributed.comm.tests.mpi_peer self-unread`` does the same with
-itself, over its channel to itself, and exits.
-
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips; it prints "over
 MPI" once large frames moved over an MPI channel.
@@ -127,21 +124,6 @@ async def flood(address, path):
         await asyncio.sleep(0.1)
 
 
-async def self_unread():
-    """Leave large frames unread on this process's channel to itself"""
-    async with listen("mpi://127.0.0.1:0", handle) as listener:
-        comm = await connect(listener.contact_address)
-        assert comm.channel is None or comm.channel.peer == mpi_startup.process_id()
-        await comm.write({"op": "stop-reading"})
-        array = np.arange(300_000)
-        for _ in range(3):
-            await comm.write({"op": "sum", "x": to_serialize(array)})
-        assert comm.channel is not None  # the frames went over MPI
-        await asyncio.sleep(0.5)
-        comm.abort()
-    print("left unread", flush=True)
-
-
 async def ping(address):
     comm = await connect(address)
     for i in range(100):
@@ -201,7 +183,6 @@ COMMANDS = {
     "serve": serve,
     "ping": ping,
     "flood": flood,
-    "self-unread": self_unread,
     "port": port,
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,
