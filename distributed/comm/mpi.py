@@ -365,7 +365,7 @@ class MPI(Comm):
                 fut = engine.receive(requests, chunks, channel.sender)
                 self._receives.add(fut)
             else:
-                fut = engine.transfer(requests, chunks)
+                fut = engine.transfer(requests, chunks, channel.sender is not None)
                 if not fut.done():
                     self._sends.add(fut)
                     fut.add_done_callback(self._sent)

@@ -11,11 +11,13 @@ on the comm's TCP connection, which wakes the event loop through the kernel,
 and its reader posts the receives of the frames (see ``distributed.comm.mpi``).
 Nothing polls while no data moves.  While this process receives, the engine
 polls on every loop iteration for ``busy-poll-time`` after any progress, then
-backs off exponentially, up to ``poll-interval`` between polls.  While it only
-sends, it polls every ``poll-interval``: between processes on one host the
-receiver copies the data out of the sender's memory in its own calls into MPI
-(CMA), so a sender that polled on would only take a core from it (and from
-the tasks) to learn a little earlier that its buffers are free.
+backs off exponentially, up to ``poll-interval`` between polls; so does a
+sender to another host, which pushes the data in its own calls into MPI when
+the network is TCP.  While it only sends to processes on this host, it polls
+every ``poll-interval``: the receiver copies the data out of the sender's
+memory in its own calls into MPI (CMA), so a sender that polled on would only
+take a core from it (and from the tasks) to learn a little earlier that its
+buffers are free.
 
 Before each call into MPI the engine cancels the receives from peer processes
 on this host that died (see ``distributed.comm.mpi_liveness``).
@@ -43,12 +45,12 @@ class Stalled(CommClosedError):
 
 
 class _Transfer:
-    __slots__ = ("requests", "keepalive", "receive", "sender", "stall_after", "last")
+    __slots__ = ("requests", "keepalive", "busy", "sender", "stall_after", "last")
 
-    def __init__(self, requests, keepalive, receive, sender, stall_after, now):
+    def __init__(self, requests, keepalive, busy, sender, stall_after, now):
         self.requests = requests
         self.keepalive = keepalive  # the buffers, until MPI is done with them
-        self.receive = receive
+        self.busy = busy  # this process moves the data: poll without sleeping
         self.sender = sender  # a LocalPeer this receives from
         self.stall_after = stall_after
         self.last = now  # when a request of it last completed
@@ -85,10 +87,13 @@ class ProgressEngine:
         self._last_progress = loop.time()
         self._delay = 0.0
 
-    def transfer(self, requests: list, keepalive: Any = None) -> asyncio.Future:
+    def transfer(
+        self, requests: list, keepalive: Any = None, local: bool = False
+    ) -> asyncio.Future:
         """A future that is done when all ``requests`` have completed;
-        ``keepalive`` (their buffers) is referenced until then"""
-        return self._add(requests, keepalive, False, None, None)
+        ``keepalive`` (their buffers) is referenced until then.  ``local``:
+        sends to a process on this host, which copies the data itself"""
+        return self._add(requests, keepalive, not local, None, None)
 
     def receive(
         self, requests: list, keepalive: Any, sender: LocalPeer | None
@@ -100,16 +105,16 @@ class ProgressEngine:
         :class:`Stalled`"""
         return self._add(requests, keepalive, True, sender, self.stall_timeout)
 
-    def _add(self, requests, keepalive, receive, sender, stall_after):
+    def _add(self, requests, keepalive, busy, sender, stall_after):
         fut = self._loop.create_future()
         self.drop_dead_senders()  # just before MPI may start to copy
         if self._MPI.Request.Testall(requests):
             fut.set_result(None)
             return fut
         now = self._loop.time()
-        entry = _Transfer(requests, keepalive, receive, sender, stall_after, now)
+        entry = _Transfer(requests, keepalive, busy, sender, stall_after, now)
         self._transfers[fut] = entry
-        if receive:
+        if busy:
             self.wake()
         elif self._handle is None and not self._loop.is_closed():
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
@@ -185,7 +190,7 @@ class ProgressEngine:
         if not self._transfers:
             # Only abandoned ones, which nobody waits for
             self._handle = self._loop.call_later(0.1, self._poll)
-        elif not any(entry.receive for entry in self._transfers.values()):
+        elif not any(entry.busy for entry in self._transfers.values()):
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
         elif now - self._last_progress < self.busy_poll_time:
             self._handle = self._loop.call_soon(self._poll)
