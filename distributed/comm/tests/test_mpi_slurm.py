@@ -172,6 +172,7 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     pytest.importorskip("dask_jobqueue")
     start = time.monotonic()
     report = client(slurm, "jobqueue", "3", "scancel")
+    assert not report["errors"], report["errors"]
     assert report["right_after_scancel"] == report["results"], report
     assert report["after"], report
     assert report["survivors"] == 2, report
