@@ -400,12 +400,15 @@ def sweep() -> None:
         try:
             with open(os.path.join(directory, "owner")) as f:
                 pid, created = f.read().split()
-            alive = psutil.Process(int(pid)).create_time() == float(created)
-        except (OSError, ValueError, psutil.Error):
+        except (OSError, ValueError):
             # A cluster that is starting may not have written it yet
             with contextlib.suppress(OSError):
                 if time.time() - os.path.getmtime(directory) < 60:
                     continue
+            pid, created = "-1", "0"
+        try:
+            alive = psutil.Process(int(pid)).create_time() == float(created)
+        except (ValueError, psutil.Error):
             alive = False
         if not alive:
             kill_marked(directory)

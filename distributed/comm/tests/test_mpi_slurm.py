@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ pytest.importorskip("numpy")
 
 from distributed.comm.tests import simulated_hosts
 from distributed.comm.tests.mpi_hosts_client import SIZE
-from distributed.comm.tests.mpi_processes import wait_for_file
+from distributed.comm.tests import slurm_cluster
+from distributed.comm.tests.mpi_processes import _env, wait_for_file
 from distributed.comm.tests.slurm_cluster import SlurmCluster, skip_reason
 
 pytestmark = [
@@ -178,3 +180,38 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     assert report["survivors"] == 2, report
     assert report["left_after_scale_down"] == [], report
     assert time.monotonic() - start < 120
+
+
+def test_two_clusters_at_once_and_what_a_killed_test_left_is_swept(tmp_path):
+    """Two clusters side by side (ports, munge, files of their own); one
+    whose test process is killed with a job running leaves daemons, the
+    job's processes and its directory, which the next cluster removes"""
+    code = (
+        "import subprocess, sys, time\n"
+        "from distributed.comm.tests.slurm_cluster import SlurmCluster\n"
+        "c = SlurmCluster().__enter__()\n"
+        "c.popen(['srun', 'sleep', '600'])\n"
+        "while not c.jobs() or c.run(['squeue', '-h', '-o', '%t']).split() != ['R']:\n"
+        "    time.sleep(0.1)\n"
+        "print(c.dir, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [PYTHON, "-c", code], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        directory = proc.stdout.readline().strip()
+        assert directory, proc.wait()
+        with SlurmCluster(nodes=1) as other:
+            # Both work at once
+            assert other.run(["srun", "-n", "1", "hostname"]).strip()
+            assert slurm_cluster.marked(directory)
+            procs = {p.name() for p in slurm_cluster.marked(directory)}
+            assert {"slurmctld", "slurmd", "munged", "sleep"} <= procs, procs
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    with SlurmCluster(nodes=1):
+        assert not os.path.exists(directory)
+        assert not slurm_cluster.marked(directory)
