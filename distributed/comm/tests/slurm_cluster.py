@@ -212,6 +212,7 @@ class SlurmCluster:
             "KillWait=2",
             "InactiveLimit=0",
             "MessageTimeout=10",
+            "MailProg=/bin/true",
         ]
         for node, host, addr, port in zip(self.nodes, hostnames, addresses, node_ports):
             lines.append(

@@ -18,9 +18,8 @@ import pytest
 pytest.importorskip("mpi4py")
 pytest.importorskip("numpy")
 
-from distributed.comm.tests import simulated_hosts
+from distributed.comm.tests import simulated_hosts, slurm_cluster
 from distributed.comm.tests.mpi_hosts_client import SIZE
-from distributed.comm.tests import slurm_cluster
 from distributed.comm.tests.mpi_processes import _env, wait_for_file
 from distributed.comm.tests.slurm_cluster import SlurmCluster, skip_reason
 
