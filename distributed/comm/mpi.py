@@ -442,6 +442,8 @@ class MPI(Comm):
 
 
 def _goes_over_mpi(frame, route: _Route) -> bool:
+    if isinstance(frame, memoryview):  # most buffers, on every message
+        return frame.nbytes >= route.inline_size
     if isinstance(frame, bytes):  # msgpack's, pickle's: small
         return len(frame) >= route.inline_size
     return mpi_gpu.is_device(frame) or mpi_gpu.nbytes(frame) >= route.inline_size
