@@ -54,7 +54,13 @@ from distributed.comm import mpi_handshake as handshake
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine, left_in_flight
-from distributed.comm.mpi_startup import before_finalize, config, get_mpi, process_id
+from distributed.comm.mpi_startup import (
+    before_finalize,
+    config,
+    get_mpi,
+    process_id,
+    skip_finalize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,16 @@ FREE_AFTER = 10
 MAX_JOBS = 1000
 
 _MPICH_PORT_TAG = re.compile(r"^tag#\d+\$")  # the tag in an MPICH port name
+
+# MPICH 5.0 with UCX over TCP: MPI_Comm_connect to a process on another host
+# leaves a UCX request behind in the connecting process, which MPI_Finalize
+# (ucp_worker_destroy) reports as leaked, reading it after its endpoint was
+# destroyed: often a segmentation fault, after the work is done.  Nothing
+# that MPI offers (Comm_disconnect, Comm_free, progress) takes it back.
+_CONNECTED_ACROSS_HOSTS = (
+    "this process connected to a process on another host with "
+    "MPI_Comm_connect, after which MPICH's MPI_Finalize can crash"
+)
 
 
 class Channel:
@@ -292,6 +308,8 @@ class Channels:
                     peer["world"][1], process_id() if accepts else process
                 )
             else:
+                if not accepts and acceptor is None:
+                    skip_finalize(_CONNECTED_ACROSS_HOSTS)
                 comm, rank = self._meet(port, accepts, timeout), 0
         except MPI.Exception as e:
             error = e

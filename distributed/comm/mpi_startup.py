@@ -4,7 +4,7 @@ MPI starts on first use of an ``mpi://`` address (:func:`start_mpi`), never on
 ``import distributed``: in a helper thread and through ctypes, so that this
 process goes on while ``MPI_Init`` waits (under ``mpiexec`` it returns only once
 every rank of the job has called it). It ends at exit, after the hooks given to
-:func:`before_finalize`.
+:func:`before_finalize`, unless MPI_Finalize would crash (see :func:`skip_finalize`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _init: concurrent.futures.Future | None = None  # MPI_Init, once started
 _lock = threading.Lock()  # guards _init
 _process: tuple[int, str] | None = None  # pid and process_id(), redone after a fork
 _before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
+_skip_finalize: str | None = None  # why MPI_Finalize must not run, if it must not
 
 # Warn when MPI_Init waits this long for the other ranks of an mpiexec job
 INIT_WARNING_DELAY = 10
@@ -146,9 +147,25 @@ def _finalize(MPI) -> None:
         return
     for hook in _before_finalize:
         hook(MPI)
+    if _skip_finalize is not None:
+        logger.debug("Not calling MPI_Finalize: %s", _skip_finalize)
+        return
     mpi_pmi.finalizing()
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     mpi_pmi.finalized()
+
+
+def skip_finalize(reason: str) -> None:
+    """Leave MPI_Finalize out at exit, after the hooks, where it would crash
+    this process (see ``mpi_channel.Channels.open``).  Only a process alone
+    in its MPICH job may: MPICH's MPI_Finalize starts with a barrier over the
+    process manager with the other ranks of the job.  Hydra and MPICH
+    singletons take a process that exits with status 0 without it for one
+    that ended well; Open MPI's launcher would not."""
+    global _skip_finalize
+    MPI = get_mpi()
+    if MPI.COMM_WORLD.Get_size() == 1 and MPI.Get_library_version().startswith("MPICH"):
+        _skip_finalize = reason
 
 
 def before_finalize(hook: Callable) -> None:
