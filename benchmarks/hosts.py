@@ -230,12 +230,15 @@ def pingpong_run(hosts: SimulatedHosts, protocol: str, quick: bool) -> dict:
             ucx = os.path.join(tmp, "ucx")
             os.mkdir(ucx)
             env = {**ENV, "UCX_PROTO_INFO": "y", "UCX_PROTO_INFO_DIR": ucx}
-            out = {"stdout": subprocess.PIPE, "text": True}
+            # A crash writes bytes that are not UTF-8 (issue 26)
+            out = {"stdout": subprocess.PIPE, "text": True, "errors": "replace"}
             with on_host(hosts, b, argv, mpi, env if mpi else ENV, **out) as proc:
                 stdout, _ = proc.communicate(timeout=600)
             result = last_json(stdout, proc)
             result["eth0_bytes"] = eth0_bytes(hosts) - before
             result["client_exit"] = proc.returncode
+            if proc.returncode:  # after its result: at exit
+                result["client_output"] = stdout[-2000:]
             if mpi:
                 result["ucx_inter_node"] = ucx_protocols(ucx)
     return result
@@ -275,7 +278,13 @@ def workloads_run(hosts: SimulatedHosts, protocol: str, args) -> dict:
         argv += ["--repeat", str(args.repeat)] + (["--quick"] if args.quick else [])
         before = eth0_bytes(hosts)
         with on_host(
-            hosts, first, argv, False, stdout=subprocess.PIPE, text=True
+            hosts,
+            first,
+            argv,
+            False,
+            stdout=subprocess.PIPE,
+            text=True,
+            errors="replace",
         ) as proc:
             stdout, _ = proc.communicate(timeout=600)
         result = last_json(stdout, proc)
