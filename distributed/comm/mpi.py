@@ -115,7 +115,9 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         peer = await handshake.exchange(
             stream, mine, None if dial else channels.may_open
         )
-    except FatalCommClosedError as e:  # a refusal, at the connecting end
+    except FatalCommClosedError as e:  # a refusal, or garbage instead of a hello
+        if dial is None:
+            raise
         message = f"Cannot connect to {dial}: {e}"
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e

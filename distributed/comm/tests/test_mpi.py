@@ -286,12 +286,16 @@ async def test_deserialize(deserialize_on_read):
 async def test_garbage_handshake_does_not_stop_listener():
     async with listen("mpi://127.0.0.1:0", echo) as listener:
         host, port = get_address_host_port(listener.contact_address)
-        for garbage in [b"GET / HTTP/1.1\r\n\r\n", MAGIC + b"\xff" * 8, b""]:
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(garbage)
-            await writer.drain()
-            writer.close()
-        await assert_serves(listener)
+        with captured_logger("distributed.comm.mpi") as log:
+            for garbage in [b"GET / HTTP/1.1\r\n\r\n", MAGIC + b"\xff" * 8, b""]:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(garbage)
+                await writer.drain()
+                writer.close()
+            await assert_serves(listener)
+        # The listener says what was wrong, and dialled nobody
+        assert "did not answer with an mpi:// handshake" in log.getvalue()
+        assert "Cannot connect" not in log.getvalue()
 
 
 def handshake(message: dict) -> bytes:
