@@ -109,8 +109,22 @@ def jobqueue(njobs: int, cancel: bool) -> dict:
         out = report(client, right=move_between_all(client), jobs=jobs)
         if cancel:
             victim = sorted(cluster.workers)[0]
+            others = {
+                address
+                for address, worker in client.scheduler_info()["workers"].items()
+                if worker["name"] != victim
+            }
             out.update(scancel_while_moving(client, cluster.workers[victim].job_id))
-            out["survivors"] = len(client.scheduler_info()["workers"])
+            # The other workers, still the same processes (a worker restarted
+            # by its nanny comes back at a new address); the scheduler may
+            # take a moment to hear from one again
+            deadline = time.monotonic() + 10
+            while (
+                not others <= set(client.scheduler_info()["workers"])
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
+            out["survivors"] = len(others & set(client.scheduler_info()["workers"]))
         cluster.scale(0)
         deadline = time.monotonic() + 60
         while squeue() and time.monotonic() < deadline:
