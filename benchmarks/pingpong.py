@@ -41,7 +41,9 @@ def repetitions(size: int, quick: bool, budget: int = 2**26) -> int:
     return max(3, n // 4) if quick else n
 
 
-async def serve(protocol: str, path: str) -> None:
+async def serve(protocol: str, path: str, host: str = "127.0.0.1") -> None:
+    """Echo every message back (not deserialized: the same frames); write
+    the listener's address to ``path``"""
     from distributed.comm import CommClosedError, listen
 
     async def echo(comm):
@@ -51,7 +53,7 @@ async def serve(protocol: str, path: str) -> None:
         except CommClosedError:
             pass
 
-    async with listen(f"{protocol}://127.0.0.1:0", echo, deserialize=False) as listener:
+    async with listen(f"{protocol}://{host}:0", echo, deserialize=False) as listener:
         with open(path + ".tmp", "w") as f:
             f.write(listener.contact_address)
         os.rename(path + ".tmp", path)
@@ -265,7 +267,7 @@ def summarize(results: dict) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
-        asyncio.run(serve(sys.argv[2], sys.argv[3]))
+        asyncio.run(serve(*sys.argv[2:5]))  # PROTOCOL PATH [HOST]
     elif sys.argv[1:2] == ["client"]:
         run_client(client)
     elif sys.argv[1:2] == ["raw"]:
