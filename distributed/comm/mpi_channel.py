@@ -52,7 +52,7 @@ from dask.utils import parse_timedelta
 
 from distributed.comm import mpi_handshake as handshake
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_progress import ProgressEngine, left_in_flight
 from distributed.comm.mpi_startup import (
     before_finalize,
@@ -410,15 +410,7 @@ class _Drain:
     def _drop_dead(self) -> None:
         """Before each call into MPI, which may copy from any sender: forget
         the channels to peers that died, cancel the receives from them"""
-        dead = {}
-
-        def died(peer: LocalPeer | None) -> bool:
-            if peer is None:
-                return False
-            if peer.pid not in dead:
-                dead[peer.pid] = peer.died()
-            return dead[peer.pid]
-
+        died = death_watch()
         self.channels = [c for c in self.channels if not died(c.sender)]
         for requests, _, sender in self.in_flight:
             if died(sender):

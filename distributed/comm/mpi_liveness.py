@@ -76,6 +76,21 @@ class LocalPeer:
         return read < 0 and ctypes.get_errno() == errno.ESRCH
 
 
+def death_watch():
+    """``died(peer)``: whether a peer on this host (a :class:`LocalPeer`)
+    died, asked once per process; a peer not on this host (None) never is"""
+    dead: dict[int, bool] = {}
+
+    def died(peer: LocalPeer | None) -> bool:
+        if peer is None:
+            return False
+        if peer.pid not in dead:
+            dead[peer.pid] = peer.died()
+        return dead[peer.pid]
+
+    return died
+
+
 def _load():
     libc = ctypes.CDLL(None, use_errno=True)
     function = libc.process_vm_readv

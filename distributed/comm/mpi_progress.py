@@ -33,7 +33,7 @@ import dask
 from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_startup import config, get_mpi
 
 # What the engines of collected loops left in flight
@@ -208,14 +208,9 @@ class ProgressEngine:
     def drop_dead_senders(self) -> None:
         """Cancel the receives from senders that died: before every call into
         MPI, any of which may copy from any of them"""
-        dead: dict[int, bool] = {}
+        died = death_watch()
         for fut, entry in list(self._transfers.items()):
-            peer = entry.sender
-            if peer is None:
-                continue
-            if peer.pid not in dead:
-                dead[peer.pid] = peer.died()
-            if dead[peer.pid]:
+            if died(entry.sender):
                 self.cancel(fut, CommClosedError("the peer process died"))
 
     def _test_transfers(self, now: float) -> bool:
