@@ -395,7 +395,7 @@ class MPI(Comm):
             config("stall-timeout"),
             self,
         )
-        self.abort()  # its other receives stall too, and are cancelled then
+        self.abort()  # cancels the receives
         channels.give_up_on(channel.peer)
 
     async def close(self):
@@ -417,15 +417,14 @@ class MPI(Comm):
         self._leave_channel()
 
     def _drop_transfers(self, cancel: bool = False) -> None:
-        """Give up the receives in progress, which the engine lets complete
-        unless their sender dies or stalls; leave sends to the engine, which
+        """Give up the receives in progress; leave sends to the engine, which
         lets the peer read them until the connect timeout (cancels them now
         if ``cancel``)"""
         if not (self._receives or self._sends):
             return
         engine = self._engine
         for fut in list(self._receives):
-            engine.cancel(fut, CommClosedError(f"{self} closed"), drain=True)
+            engine.cancel(fut, CommClosedError(f"{self} closed"))
         for fut in list(self._sends):
             fut.remove_done_callback(self._sent)
             if cancel:
