@@ -36,6 +36,7 @@ def about() -> dict:
 
     return {
         "hostname": socket.gethostname(),
+        "library": mpi_startup.library(),
         "world": mpi_startup.world(),
         "moved": moved_over_mpi(),
         # An intercommunicator: the two met with accept/connect, as separate

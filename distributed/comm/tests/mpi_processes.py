@@ -13,16 +13,16 @@ import time
 import psutil
 
 
-def mpiexec_command() -> str:
-    """The mpiexec of the MPI library next to this Python, else on PATH"""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+def mpiexec_command(python: str = sys.executable) -> str:
+    """The mpiexec of the MPI library next to ``python``, else on PATH"""
+    here = os.path.join(os.path.dirname(python), "mpiexec")
     return here if os.path.exists(here) else shutil.which("mpiexec") or "mpiexec"
 
 
-def _env() -> dict:
+def _env(python: str = sys.executable) -> dict:
     env = dict(os.environ)
     # Children must find the same MPI and this checkout of distributed
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONFAULTHANDLER"] = "1"  # a crash in MPI shows where Python was
@@ -75,14 +75,15 @@ class Job(subprocess.Popen):
 
 
 @contextlib.contextmanager
-def mpiexec(args: list[str], prefix: list[str] = (), **kwargs):
-    """Run ``mpiexec <args>``, where ``-m module`` runs with this Python,
-    behind a ``prefix`` command if given; stop the whole job on exit"""
-    args = [
-        a for arg in args for a in ([sys.executable, "-m"] if arg == "-m" else [arg])
-    ]
-    command = [*prefix, mpiexec_command(), *args]
-    job = Job(command, env=_env(), start_new_session=True, **kwargs)
+def mpiexec(
+    args: list[str], prefix: list[str] = (), python: str = sys.executable, **kwargs
+):
+    """Run ``mpiexec <args>``, where ``-m module`` runs with this Python (or
+    ``python``, with the mpiexec next to it), behind a ``prefix`` command if
+    given; stop the whole job on exit"""
+    args = [a for arg in args for a in ([python, "-m"] if arg == "-m" else [arg])]
+    command = [*prefix, mpiexec_command(python), *args]
+    job = Job(command, env=_env(python), start_new_session=True, **kwargs)
     with job:  # and its pipes closed
         try:
             yield job

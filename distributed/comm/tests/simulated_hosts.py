@@ -82,10 +82,13 @@ class SimulatedHosts:
     through ``eth0``.  Processes started on a host (:meth:`command`,
     :meth:`popen`, :attr:`fake_ssh`) run with :attr:`env`, which tells UCX
     and libfabric to use ``eth0``: outside these namespaces they would pick
-    the machine's own interfaces.
+    the machine's own interfaces.  Hosts share the machine's ``/tmp``; with
+    ``own_tmpdir``, each host's processes have a ``TMPDIR`` of its own, removed
+    with the hosts.  Open MPI needs one: it names its session directories
+    there by process id alone, and ids repeat on every host and in every run.
     """
 
-    def __init__(self, n: int = 2, interfaces: int = 1, names=None):
+    def __init__(self, n: int = 2, interfaces: int = 1, names=None, own_tmpdir=False):
         if not 2 <= n <= 4:
             raise ValueError("2 to 4 hosts")
         reason = skip_reason()
@@ -93,6 +96,7 @@ class SimulatedHosts:
             raise RuntimeError(reason)
         self.tag = f"{os.getpid()}-{next(_counter)}"
         self.interfaces = interfaces
+        self.own_tmpdir = own_tmpdir
         self.env = {"UCX_NET_DEVICES": "eth0", "FI_TCP_IFACE": "eth0"}
         self._inits: dict[str, subprocess.Popen] = {}
         self._pids: dict[str, int] = {}  # of each host's first process
@@ -203,10 +207,12 @@ class SimulatedHosts:
         enter += [
             f"--{kind}={self._path(name, kind)}" for kind in ["uts", "ipc", "pid"]
         ]
+        tmpdir = f"export TMPDIR={self._path(name, 'tmp')} && "
         setup = (
             "mount -t proc proc /proc && mount -t sysfs sysfs /sys && "
             f"mount --bind /etc/netns/{ns}/hosts /etc/hosts && "
             f"mount --bind {self._path(name, 'shm')} /dev/shm && "
+            f"{tmpdir if self.own_tmpdir else ''}"
             'exec "$@"'
         )
         return [
@@ -314,6 +320,8 @@ class SimulatedHosts:
             open(path, "w").close()
             _mount("--bind", f"/proc/{child.pid}/ns/{kind}", path)
         os.mkdir(self._path(name, "shm"))
+        if self.own_tmpdir:
+            os.mkdir(self._path(name, "tmp"))
         _mount("-t", "tmpfs", "-o", "size=4g", "shm", self._path(name, "shm"))
 
     def _path(self, name: str, what: str) -> str:

