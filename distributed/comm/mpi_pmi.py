@@ -57,6 +57,10 @@ def _has_process_manager() -> bool:
     env = os.environ
     if env.get(_USER) == str(os.getppid()):
         return False  # the variables are the parent's
+    if "PMIX_NAMESPACE" in env:
+        # Open MPI's launcher, which sets no PMI_FD: one here is stale, from
+        # an ancestor that started MPI alone (as a client may)
+        return True
     if "PMI_FD" in env:  # Hydra's ranks, and srun --mpi=pmi2: a socketpair
         try:
             fd = os.dup(int(env["PMI_FD"]))
@@ -64,7 +68,7 @@ def _has_process_manager() -> bool:
             return False
         with socket.socket(fileno=fd) as sock:
             return sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM
-    return "PMI_PORT" in env or "PMIX_NAMESPACE" in env
+    return "PMI_PORT" in env
 
 
 def initialized() -> None:
