@@ -182,11 +182,7 @@ class MPI(Comm):
         return self._tcp.closed()
 
     async def read(self, deserializers=None):
-        try:
-            frames = await self._tcp.read_frames()
-        except CommClosedError:
-            self._leave_channel()  # closed by the peer, which frees it soon
-            raise
+        frames = await self._tcp.read_frames()
         if frames and frames[0] == _PLAIN_HEAD:
             del frames[0]
         else:
