@@ -174,7 +174,7 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     assert not report["errors"], report["errors"]
     assert report["right_after_scancel"] == report["results"], report
     assert report["after"], report
-    assert report["survivors"] == 2, report
+    assert report["survivors"] == 2, f"{report}\n{slurm.logs()}"
     assert report["left_after_scale_down"] == [], report
     assert time.monotonic() - start < 120
 
