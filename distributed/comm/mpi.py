@@ -37,6 +37,7 @@ from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
 from distributed.comm.addressing import get_address_host
 from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import Channel, channels
+from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.tcp import (
@@ -148,6 +149,7 @@ class MPI(Comm):
         self._local_addr = local_addr
         self._peer_addr = peer_addr  # distributed.comm.core.connect reads it
         self._tcp = TCP(stream, local_addr, peer_addr, deserialize)
+        self._socket = stream.socket  # to see the peer hang up before TCP reads
         self._route: _Route | None = None  # from the handshake
         self._channel: Channel | None = None  # the last one its data moved on
         self._receives: set = set()  # engine futures of the read in progress
@@ -362,6 +364,11 @@ class MPI(Comm):
             if receive and channel.sender is not None and channel.sender.died():
                 self.abort()  # MPI may start to copy at once
                 raise CommClosedError(f"{self}: the peer process died")
+            if not receive and hung_up(self._socket):
+                # It reads no more, or died (on another host, nothing else
+                # tells): MPICH's UCX can crash sending to a process that died
+                self.abort()
+                raise CommClosedError(f"{self}: the peer closed the connection")
             requests = [start([c, MPI.BYTE], channel.rank, tag) for c in chunks]
             if receive:
                 fut = engine.receive(requests, chunks, channel.sender)

@@ -76,6 +76,18 @@ class LocalPeer:
         return read < 0 and ctypes.get_errno() == errno.ESRCH
 
 
+def hung_up(sock: socket.socket) -> bool:
+    """Whether the process at the other end of a TCP connection closed it,
+    or died, as the kernel knows before anyone reads: about a process on
+    another host, the only sign there is here"""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def death_watch():
     """``died(peer)``: whether a peer on this host (a :class:`LocalPeer`)
     died, asked once per process; a peer not on this host (None) never is"""

@@ -221,6 +221,18 @@ async def test_comm_closed_explicit_and_peer_sees_it():
 
 
 @gen_test()
+async def test_no_frame_is_sent_over_mpi_to_a_peer_that_hung_up():
+    """A write to a peer that closed its end fails before MPI sends to it:
+    nobody would receive, and MPICH's UCX can crash sending to a process
+    that died (on another host, a closed connection is the only sign)"""
+    async with comm_pair() as (comm, peer):
+        await peer.close()
+        with pytest.raises(CommClosedError, match="closed the connection"):
+            await comm.write(to_serialize(np.ones(2**21, "u1")))  # over MPI
+        assert comm.closed()
+
+
+@gen_test()
 async def test_abort_fails_pending_read():
     async with echoing() as comm:
         pending = asyncio.ensure_future(comm.read())
