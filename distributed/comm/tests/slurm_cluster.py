@@ -332,7 +332,7 @@ class SlurmCluster:
             glob.glob(self.path("*.log")) + glob.glob(self.path("*.out"))
         ):
             with open(path, errors="replace") as f:
-                out.append(f"--- {os.path.basename(path)}\n{f.read()[-3000:]}")
+                out.append(f"--- {os.path.basename(path)}\n{f.read()[-20000:]}")
         return "\n".join(out)
 
     # Stopping
