@@ -72,12 +72,16 @@ def _has_process_manager() -> bool:
 
 
 def initialized() -> None:
-    """Call once MPI_Init returned: stop serving"""
+    """Call once MPI_Init returned: stop serving, and take back the variables
+    that named this process's own process manager: a child (a job submitted
+    from here, or its children) would take them for its own"""
     global _serving
     if _serving is not None:
         _stop.set()
         _serving.join()
         _serving = None
+        for key in ["PMI_FD", "PMI_RANK", "PMI_SIZE"]:
+            os.environ.pop(key, None)
 
 
 def finalizing() -> None:

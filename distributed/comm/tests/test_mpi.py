@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import socket
+import os
 import subprocess
 import sys
 import time
@@ -92,6 +93,26 @@ def test_import_does_not_start_mpi():
         "assert 'mpi4py' not in sys.modules, sorted(m for m in sys.modules if 'mpi' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
+    """Its children (a job it submits, and theirs) would take them for their
+    own process manager's"""
+    code = (
+        "import os; from distributed.comm import mpi_startup; "
+        "mpi_startup.start_mpi().result(); "
+        "print(sorted(k for k in os.environ if k.startswith('PMI')))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert out.strip() == "[]", out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="UCX copies from peers on Linux")
