@@ -184,7 +184,11 @@ class MPI(Comm):
         return self._tcp.closed()
 
     async def read(self, deserializers=None):
-        frames = await self._tcp.read_frames()
+        try:
+            frames = await self._tcp.read_frames()
+        except CommClosedError:
+            self._leave_channel()  # closed by the peer, which frees it soon
+            raise
         if frames and frames[0] == _PLAIN_HEAD:
             del frames[0]
         else:

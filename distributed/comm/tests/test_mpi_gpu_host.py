@@ -21,12 +21,12 @@ np = pytest.importorskip("numpy")
 
 import dask
 
-from distributed.comm import CommClosedError, connect, mpi_gpu
+from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu
 from distributed.comm.mpi_channel import channels
 from distributed.comm.tests.mpi_peer import OnDevice
 from distributed.comm.tests.mpi_processes import Job, mpiexec, wait_for_file
 from distributed.protocol import to_serialize
-from distributed.utils_test import gen_test
+from distributed.utils_test import async_poll_for, gen_test
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,6 +199,21 @@ async def test_comm_closed_mid_frame_by_the_reader(peer):
             with pytest.raises(CommClosedError):
                 await asyncio.wait_for(comm.read(), 20)
         assert comm.closed()
+        await assert_serves(peer.address)
+
+
+@gen_test(timeout=60)
+async def test_peer_leaves_the_channel_once_it_reads_that_the_comm_closed(
+    peer, monkeypatch
+):
+    """This end frees the channel ``FREE_AFTER`` after its last comm closed;
+    the peer must not name it in a message of a later comm"""
+    monkeypatch.setattr(mpi_channel, "FREE_AFTER", 0.5)
+    with dask.config.set(peer.config):
+        comm = await connect_over_mpi(peer.address)
+        channel = comm.channel
+        await comm.close()
+        await async_poll_for(lambda: channels.by_id(channel.id) is None, timeout=5)
         await assert_serves(peer.address)
 
 
