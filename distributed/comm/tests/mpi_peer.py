@@ -12,7 +12,8 @@ only there and back, where a fault on the way out could undo one on the way
 back.
 
 ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
-normally, once FILE.exit exists.
+normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
+MPI transfers are not complete.
 
 ``python -m distributed.comm.tests.mpi_peer flood ADDRESS FILE`` connects to
 such a server, sends large frames over MPI until a channel is open, asks it to
@@ -51,6 +52,7 @@ from distributed.comm import (
     mpi_gpu,
     mpi_startup,
 )
+from distributed.comm.mpi_progress import ProgressEngine
 from distributed.protocol import to_serialize
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 
@@ -88,6 +90,8 @@ async def handle(comm):
                 x = msg["x"]
                 kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
                 msg = {"x": to_serialize(x), "type": kind}
+            elif isinstance(msg, dict) and msg.get("op") == "pending":
+                msg = {"pending": ProgressEngine.current().pending()}
             elif isinstance(msg, dict) and msg.get("op") == "device":
                 msg = {
                     "digests": [
