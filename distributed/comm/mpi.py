@@ -429,13 +429,13 @@ class MPI(Comm):
 
     def _drop_transfers(self, cancel: bool = False) -> None:
         """Give up the receives in progress; leave sends to the engine, which
-        lets the peer read them until the connect timeout (cancels them now
-        if ``cancel``)"""
+        lets the peer read them until the connect timeout, and receives from
+        this host, which it lets complete (cancels both now if ``cancel``)"""
         if not (self._receives or self._sends):
             return
         engine = self._engine
         for fut in list(self._receives):
-            engine.cancel(fut, CommClosedError(f"{self} closed"))
+            engine.cancel(fut, CommClosedError(f"{self} closed"), drain=not cancel)
         for fut in list(self._sends):
             fut.remove_done_callback(self._sent)
             if cancel:

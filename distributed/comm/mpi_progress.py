@@ -128,11 +128,21 @@ class ProgressEngine:
         self._orphans.append((requests, keepalive, deadline))
         self.wake()
 
-    def cancel(self, fut: asyncio.Future, exc: BaseException) -> None:
+    def cancel(
+        self, fut: asyncio.Future, exc: BaseException, drain: bool = False
+    ) -> None:
         """Abandon a transfer, failing it with ``exc``: cancel its requests,
-        and keep their buffers until MPI is done with them"""
+        and keep their buffers until MPI is done with them.  ``drain``: let a
+        receive from a sender on this host complete instead, unless the
+        sender dies or stalls: what the sender posted would otherwise stay
+        queued in MPI, and UCX warns of each such message at exit.  Receives
+        from other hosts are cancelled: nothing here would see their sender
+        die."""
         entry = self._transfers.pop(fut, None)
-        if entry is not None:
+        if entry is not None and drain and entry.sender is not None:
+            entry.busy = False  # nobody waits for it
+            self._transfers[self._loop.create_future()] = entry
+        elif entry is not None:
             for request in entry.requests:
                 try:
                     request.Cancel()
