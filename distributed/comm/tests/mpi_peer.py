@@ -13,7 +13,7 @@ back.
 
 ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
 normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
-MPI transfers are not complete.
+MPI transfers are not complete.  ``{"op": "drop", ...}`` gets no answer.
 
 ``python -m distributed.comm.tests.mpi_peer flood ADDRESS FILE`` connects to
 such a server, sends large frames over MPI until a channel is open, asks it to
@@ -84,6 +84,8 @@ async def handle(comm):
             msg = await comm.read()
             if isinstance(msg, dict) and msg.get("op") == "stop-reading":
                 await asyncio.Event().wait()
+            if isinstance(msg, dict) and msg.get("op") == "drop":
+                continue
             if isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
             elif isinstance(msg, dict) and msg.get("op") == "echo":
