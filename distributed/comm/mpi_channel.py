@@ -375,8 +375,8 @@ class Channels:
         the transfers in flight complete.  UCX warns at MPI_Finalize about
         each message left unreceived and each request not complete, and a
         peer's sends complete only once this process received them.  Nothing
-        from a peer on this host that died: UCX would copy from its memory,
-        and abort this process."""
+        is copied from a peer on this host that died: UCX would read its
+        memory, and abort this process."""
         _Drain(MPI, list(self._by_id.values()), left_in_flight()).run(quiet, limit)
 
 
@@ -392,7 +392,7 @@ class _Drain:
         start = last = time.monotonic()
         while time.monotonic() - start < limit:
             came = False
-            for channel in list(self.channels):
+            for channel in self.channels:
                 came |= self._receive_leftovers(channel)
             if self._test():
                 last = time.monotonic()
@@ -407,42 +407,46 @@ class _Drain:
                     with contextlib.suppress(self.MPI.Exception):
                         request.Cancel()
 
-    def _drop_dead(self) -> None:
-        """Before each call into MPI, which may copy from any sender: forget
-        the channels to peers that died, cancel the receives from them"""
+    def _cancel_dead(self):
+        """Before each call into MPI, which may copy from any sender: cancel
+        the receives from peers that died; ``died(peer)``"""
         died = death_watch()
-        self.channels = [c for c in self.channels if not died(c.sender)]
         for requests, _, sender in self.in_flight:
             if died(sender):
                 for request in requests:
                     with contextlib.suppress(self.MPI.Exception):
                         request.Cancel()
         self.in_flight = [x for x in self.in_flight if not died(x[2])]
+        return died
 
     def _receive_leftovers(self, channel: Channel) -> bool:
-        """Receive what the peer sent that nobody received; whether any came"""
+        """Receive what the peer sent that nobody received; whether any came.
+        What a peer that died sent is matched with an empty receive: MPI
+        reports it truncated and copies nothing (UCX tells the sender instead
+        of fetching the data), and UCX has no unmatched message to warn of."""
         MPI, status, came = self.MPI, self.MPI.Status(), False
         while True:
-            self._drop_dead()
-            if channel not in self.channels:
-                return came
+            self._cancel_dead()
             try:
                 message = channel.comm.Improbe(channel.rank, MPI.ANY_TAG, status)
             except MPI.Exception:
                 return came
             if not message:
                 return came
+            came = True
+            if self._cancel_dead()(channel.sender):
+                with contextlib.suppress(MPI.Exception):
+                    message.Recv([bytearray(), MPI.BYTE])
+                continue
             buffer = bytearray(status.Get_count(MPI.BYTE))
-            self._drop_dead()
             request = message.Irecv([buffer, MPI.BYTE])
             self.in_flight.append(([request], buffer, channel.sender))
-            came = True
 
     def _test(self) -> bool:
         """Test the transfers in flight; whether any completed"""
         completed = False
         for entry in list(self.in_flight):
-            self._drop_dead()
+            self._cancel_dead()
             if not any(entry is e for e in self.in_flight):
                 continue  # from a peer that died
             try:
