@@ -234,6 +234,9 @@ class Channels:
 
     def may_open(self, peer: dict) -> bool:
         """Whether to open a channel to the process of this hello"""
+        if handshake.open_mpi_apart(peer):
+            _warn_open_mpi_apart()
+            return False
         return (
             self.reachable(peer["process"])
             and not handshake.pid_isolated(peer)
@@ -481,6 +484,17 @@ def _warn_full() -> None:
         "allows one process: comms with processes of new jobs (workers "
         "started by mpiexec -n 1, or without mpiexec) use TCP",
         MAX_JOBS,
+    )
+
+
+@functools.cache
+def _warn_open_mpi_apart() -> None:
+    logger.warning(
+        "Open MPI cannot connect processes of different mpiexec jobs, nor "
+        "processes not started by mpiexec (a nanny's worker process is not): "
+        "comms between them move their data over TCP. Start them all in one "
+        "mpiexec job, workers with --no-nanny (dask-mpi: --worker-class "
+        "distributed.Worker), or use MPICH"
     )
 
 

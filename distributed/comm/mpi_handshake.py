@@ -112,19 +112,18 @@ def incompatibility(peer: dict) -> str | None:
         )
     if not isinstance(peer.get("process"), str):
         return "peer did not say which process it is"
-    if (
+    return None
+
+
+def open_mpi_apart(peer: dict) -> bool:
+    """Whether the peer is a process of another Open MPI job, or of none:
+    Open MPI cannot connect the two without its ``ompi-server`` (it would
+    hang in MPI_Comm_connect rather than fail), so they talk over TCP alone"""
+    return (
         mpi_startup.library().startswith("Open MPI")
         and peer["process"] != mpi_startup.process_id()
         and not same_world(peer)
-    ):
-        # It would hang in MPI_Comm_connect rather than fail
-        return (
-            "Open MPI cannot connect processes of different mpiexec jobs, nor "
-            "processes not started by mpiexec (a nanny's worker process is "
-            "not): start them all in one mpiexec job, workers with --no-nanny "
-            "(dask-mpi: --worker-class distributed.Worker), or use MPICH"
-        )
-    return None
+    )
 
 
 def pid_isolated(peer: dict) -> bool:
