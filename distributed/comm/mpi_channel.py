@@ -19,7 +19,10 @@ over ``MPI_COMM_SELF``.  A process talks to itself over a duplicate of
 These calls block, and MPICH holds its global lock while they wait, so they
 run on the event loop, under rules that keep MPICH alive when a peer dies:
 
-- of two processes, the one whose ``process_id()`` sorts first accepts;
+- a process alone in its job connects to a rank of a bigger one (after a
+  connect to another host, MPICH's MPI_Finalize can crash, and only a
+  process alone in its job may leave it out); else, of two processes, the
+  one whose ``process_id()`` sorts first accepts;
 - the acceptor enters MPI first, as soon as it has sent its port name over
   TCP, and gives up after ``channel-timeout``;
 - so the connector connects only to an acceptor that is waiting: at once on
@@ -60,6 +63,7 @@ from distributed.comm.mpi_startup import (
     get_mpi,
     process_id,
     skip_finalize,
+    world,
 )
 
 logger = logging.getLogger(__name__)
@@ -284,7 +288,8 @@ class Channels:
         If MPI fails at either end, both say so, and give up on each other."""
         process = peer["process"]
         same_world = handshake.same_world(peer)
-        accepts = process_id() < process
+        alone, peer_alone = world() is None, peer.get("world") is None
+        accepts = peer_alone if alone != peer_alone else process_id() < process
         timeout = parse_timedelta(config("channel-timeout"))
         MPI, comm, error = get_mpi(), None, None
         try:
@@ -465,13 +470,13 @@ class _Drain:
 def _join(peer_rank: int, acceptor: str):
     """A communicator of this rank and another of its own mpiexec job, made
     by both of them alone; the peer's rank in it"""
-    world = get_mpi().COMM_WORLD
-    ranks = sorted([world.rank, peer_rank])
-    group = world.group.Incl(ranks)
+    everyone = get_mpi().COMM_WORLD
+    ranks = sorted([everyone.rank, peer_rank])
+    group = everyone.group.Incl(ranks)
     try:
         # Both ends derive the same tag, distinct for concurrent calls
         tag = int.from_bytes(acceptor.encode()[-2:], "big") % 32768
-        comm = world.Create_group(group, tag)
+        comm = everyone.Create_group(group, tag)
     finally:
         group.Free()
     return comm, ranks.index(peer_rank)

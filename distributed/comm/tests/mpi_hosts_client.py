@@ -1,7 +1,7 @@
 """The client of tests across simulated hosts, run on one of them (the test
 process is on none of their networks)::
 
-    python -m distributed.comm.tests.mpi_hosts_client SCHEDULER NWORKERS [pause|kill FILE]
+    python -m distributed.comm.tests.mpi_hosts_client SCHEDULER NWORKERS [pause|kill FILE|shutdown]
 
 SCHEDULER is an address or a scheduler file.  It moves 16 MiB arrays between
 every two workers on different hosts, twice, and prints ``REPORT <json>``:
@@ -9,7 +9,7 @@ the results, and what each worker says of itself.  With ``pause FILE``, it
 writes FILE between the two rounds and waits for FILE.go.  With ``kill
 FILE``, it moves many arrays from each worker to the others, writes FILE
 once data moves (the test then kills a worker), and reports what became of
-them.
+them.  With ``shutdown``, it shuts the cluster down after its report.
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def main(scheduler: str, nworkers: int, what: str = "check", path=None) -> None:
             for address, info in client.run(about).items()
         }
         report["scheduler"] = client.scheduler.address
-    print("REPORT " + json.dumps(report), flush=True)
+        print("REPORT " + json.dumps(report), flush=True)
+        if what == "shutdown":
+            client.shutdown()
 
 
 if __name__ == "__main__":

@@ -328,6 +328,45 @@ def test_processes_exit_cleanly_after_moving_data_across_hosts(
                 server.kill()
 
 
+def test_job_and_worker_alone_on_other_hosts_shut_down_cleanly(
+    simulated_hosts, tmp_path
+):
+    """A job of two ranks (the scheduler and a worker) on one host and a
+    worker alone in its job on another move data over MPI; after
+    ``client.shutdown()`` every process exits with 0, without a complaint
+    from UCX.  MPICH's MPI_Finalize crashes in a process that connected to
+    another host, and a rank of a bigger job cannot leave it out: the
+    process alone in its job connects"""
+    hosts = simulated_hosts(2)
+    # The job on the host whose name sorts last: its rank would connect if
+    # process ids alone decided
+    alone_on, job_on = sorted(hosts.names)
+    path = str(tmp_path / "scheduler.json")
+    worker = [*WORKER, "--no-nanny", "--scheduler-file", path]
+    args = ["-n", "1", *SCHEDULER, "--protocol", "mpi", "--scheduler-file", path]
+    args += [":", "-n", "1", *worker]
+    logs = {name: tmp_path / f"{name}.log" for name in ["job", "alone"]}
+    with open(logs["job"], "w") as out, open(logs["alone"], "w") as out_alone:
+        output = {"stderr": subprocess.STDOUT}
+        with mpiexec(args, prefix=on(hosts, job_on), stdout=out, **output) as job:
+            wait_for_file(path, job)
+            with mpiexec(
+                ["-n", "1", *worker],
+                prefix=on(hosts, alone_on),
+                stdout=out_alone,
+                **output,
+            ) as alone:
+                with client_process(hosts, job_on, path, 2, "shutdown") as proc:
+                    report = client_report(proc)
+                alone.wait(60)
+            job.wait(60)
+    check_across_hosts(hosts, report, 2)
+    for name, proc in [("job", job), ("alone", alone)]:
+        out = logs[name].read_text()
+        assert proc.returncode == 0, out
+        assert not ucx_complaints(out), out
+
+
 @pytest.mark.parametrize(
     "netmod,interface", [("ucx", "eth0"), ("ucx", "eth1"), ("ofi", "eth1")]
 )
