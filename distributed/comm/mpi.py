@@ -110,8 +110,14 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
     the address the connecting end dialled).  The comm's route; None if the
     peer only came to open an MPI channel, which is then open."""
     MPI = await mpi_startup.mpi_ready()
-    # The processes this one gave up on use TCP with it, at both ends
-    mine = {**handshake.hello(), "unreachable": channels.unreachable()}
+    # Open MPI 5 has no large-count calls: keep each message below 2 GiB
+    chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
+    mine = {
+        **handshake.hello(),
+        # The processes this one gave up on use TCP with it, at both ends
+        "unreachable": channels.unreachable(),
+        "chunk_size": chunk_size,
+    }
     try:
         peer = await handshake.exchange(
             stream, mine, None if dial else channels.may_open
@@ -128,13 +134,17 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         return None
     if mpi_startup.process_id() in peer.get("unreachable", ()):
         channels.give_up_on(peer["process"])
+    theirs = peer.get("chunk_size")
+    if isinstance(theirs, int) and theirs > 0:
+        # Receives must match sends: both ends cut frames alike, whatever
+        # each one's configuration says
+        chunk_size = min(chunk_size, theirs)
     return _Route(
         peer,
         dial,
         mpi_gpu.path(mpi_gpu.hello(MPI), peer.get("gpu")),
         parse_bytes(config("inline-size")),
-        # Open MPI 5 has no large-count calls: keep each message below 2 GiB
-        min(parse_bytes(config("chunk-size")), 2**31 - 1),
+        chunk_size,
     )
 
 

@@ -52,6 +52,30 @@ async def test_round_trips_with_an_mpiexec_process(server):
     await comm.close()
 
 
+@pytest.fixture
+def server_with_small_chunks(tmp_path, monkeypatch):
+    """A peer whose chunk-size is 1 MiB"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__CHUNK_SIZE", "1MiB")
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve", path]) as proc:
+        yield wait_for_file(path, proc)
+
+
+@gen_test(timeout=120)
+async def test_ends_configured_with_different_chunk_sizes(server_with_small_chunks):
+    """Each end posts its receives in the chunks the other sends: they agree
+    on one chunk-size at the handshake (MPI truncated the 4 MiB chunks into
+    1 MiB receives before)"""
+    with dask.config.set({"distributed.comm.mpi.chunk-size": "4MiB"}):
+        comm = await connect(server_with_small_chunks)
+    for _ in range(3):  # the first large frames ask for a channel
+        array = np.random.randint(0, 100, 2_000_000)  # 16 MB
+        await comm.write({"x": to_serialize(array)})
+        np.testing.assert_array_equal((await comm.read())["x"], array)
+    assert comm.channel is not None and comm.channel.nbytes >= 4 * array.nbytes
+    await comm.close()
+
+
 @gen_test(timeout=120)
 async def test_concurrent_comms_between_two_processes_do_not_cross(server):
     address, _ = server
