@@ -385,7 +385,8 @@ class MPI(Comm):
                 raise CommClosedError(f"{self}: the peer closed the connection")
             requests = [start([c, MPI.BYTE], channel.rank, tag) for c in chunks]
             if receive:
-                fut = engine.receive(requests, chunks, channel.sender)
+                sizes = [mpi_gpu.nbytes(c) for c in chunks]
+                fut = engine.receive(requests, chunks, channel.sender, sizes)
                 self._receives.add(fut)
             else:
                 fut = engine.transfer(requests, chunks, channel.sender is not None)

@@ -45,15 +45,24 @@ class Stalled(CommClosedError):
 
 
 class _Transfer:
-    __slots__ = ("requests", "keepalive", "busy", "sender", "stall_after", "last")
+    __slots__ = (
+        "requests",
+        "keepalive",
+        "busy",
+        "sender",
+        "stall_after",
+        "last",
+        "sizes",
+    )
 
-    def __init__(self, requests, keepalive, busy, sender, stall_after, now):
+    def __init__(self, requests, keepalive, busy, sender, stall_after, now, sizes):
         self.requests = requests
         self.keepalive = keepalive  # the buffers, until MPI is done with them
         self.busy = busy  # this process moves the data: poll without sleeping
         self.sender = sender  # a LocalPeer this receives from
         self.stall_after = stall_after
         self.last = now  # when a request of it last completed
+        self.sizes = sizes  # of receives: the bytes each must get
 
 
 class ProgressEngine:
@@ -96,23 +105,32 @@ class ProgressEngine:
         return self._add(requests, keepalive, not local, None, None)
 
     def receive(
-        self, requests: list, keepalive: Any, sender: LocalPeer | None
+        self,
+        requests: list,
+        keepalive: Any,
+        sender: LocalPeer | None,
+        sizes: list[int],
     ) -> asyncio.Future:
         """Like :meth:`transfer`, for receives from a peer, which fail should
-        the ``sender`` (on this host) die.  The peer posted its sends as it
-        wrote the message's head, so a receive that gets nothing for
-        ``stall-timeout`` means that MPI stopped delivering: it fails with
-        :class:`Stalled`"""
-        return self._add(requests, keepalive, True, sender, self.stall_timeout)
+        the ``sender`` (on this host) die, or a receive get other than its
+        size in ``sizes`` (MPI fills a larger receive from a smaller send,
+        silently).  The peer posted its sends as it wrote the message's head,
+        so a receive that gets nothing for ``stall-timeout`` means that MPI
+        stopped delivering: it fails with :class:`Stalled`"""
+        return self._add(requests, keepalive, True, sender, self.stall_timeout, sizes)
 
-    def _add(self, requests, keepalive, busy, sender, stall_after):
+    def _add(self, requests, keepalive, busy, sender, stall_after, sizes=None):
         fut = self._loop.create_future()
         self.drop_dead_senders()  # just before MPI may start to copy
-        if self._MPI.Request.Testall(requests):
-            fut.set_result(None)
+        statuses = [] if sizes else None
+        if self._MPI.Request.Testall(requests, statuses):
+            if wrong := sizes and self._wrong_size(range(len(sizes)), statuses, sizes):
+                fut.set_exception(CommClosedError(wrong))
+            else:
+                fut.set_result(None)
             return fut
         now = self._loop.time()
-        entry = _Transfer(requests, keepalive, busy, sender, stall_after, now)
+        entry = _Transfer(requests, keepalive, busy, sender, stall_after, now, sizes)
         self._transfers[fut] = entry
         if busy:
             self.wake()
@@ -224,13 +242,19 @@ class ProgressEngine:
             self.drop_dead_senders()
             if fut not in self._transfers:
                 continue  # its sender died
+            statuses = [] if entry.sizes else None
             try:
-                completed = self._MPI.Request.Testsome(entry.requests)
+                completed = self._MPI.Request.Testsome(entry.requests, statuses)
             except self._MPI.Exception as e:
                 del self._transfers[fut]
                 fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
                 progressed = True
                 continue
+            if completed and entry.sizes:
+                if wrong := self._wrong_size(completed, statuses, entry.sizes):
+                    self.cancel(fut, CommClosedError(wrong))
+                    progressed = True
+                    continue
             # Testsome set the completed requests to MPI_REQUEST_NULL (falsy);
             # it returns None once none is left active
             if completed is None or (completed and not any(entry.requests)):
@@ -244,6 +268,15 @@ class ProgressEngine:
             elif entry.stall_after and now - entry.last > entry.stall_after:
                 self.cancel(fut, Stalled("MPI delivered nothing"))
         return progressed
+
+    def _wrong_size(self, indices, statuses: list, sizes: list[int]) -> str | None:
+        """What is wrong with the receives at ``indices`` that completed with
+        ``statuses``, if one got other than its size"""
+        for index, status in zip(indices, statuses):
+            got = status.Get_count(self._MPI.BYTE)
+            if got != sizes[index]:
+                return f"MPI delivered {got} bytes to a receive of {sizes[index]}"
+        return None
 
     def _test_orphans(self, now: float) -> None:
         pending = []

@@ -254,6 +254,43 @@ async def test_no_frame_is_sent_over_mpi_to_a_peer_that_hung_up():
 
 
 @gen_test()
+async def test_receive_that_gets_fewer_bytes_than_its_size_fails():
+    """MPI fills a larger receive from a smaller send without an error: the
+    progress engine checks what each receive got, so that a frame cannot
+    come out with stale bytes, whatever mismatch the two ends have"""
+    from distributed.comm.mpi_progress import ProgressEngine
+    from distributed.comm.mpi_startup import mpi_ready
+
+    MPI = await mpi_ready()
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        engine = ProgressEngine.current()
+        sent, received = np.ones(10, "u1"), np.zeros(100, "u1")
+        # Sent before the receive is handed to the engine, or after
+        for sizes, fails, send_first in [
+            ([10], False, True),
+            ([100], True, True),
+            ([100], True, False),
+        ]:
+            receive = comm.Irecv([received, MPI.BYTE], 0, 3)
+            if send_first:
+                send = engine.transfer([comm.Isend([sent, MPI.BYTE], 0, 3)], sent)
+            done = engine.receive([receive], received, None, sizes)
+            if not send_first:
+                send = engine.transfer([comm.Isend([sent, MPI.BYTE], 0, 3)], sent)
+            if fails:
+                with pytest.raises(
+                    CommClosedError, match="10 bytes to a receive of 100"
+                ):
+                    await done
+            else:
+                await done
+            await send
+    finally:
+        comm.Free()
+
+
+@gen_test()
 async def test_abort_fails_pending_read():
     async with echoing() as comm:
         pending = asyncio.ensure_future(comm.read())
