@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -174,7 +175,16 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     assert not report["errors"], report["errors"]
     assert report["right_after_scancel"] == report["results"], report
     assert report["after"], report
-    assert report["survivors"] == 2, f"{report}\n{slurm.logs()}"
+    logs = slurm.logs()
+    if report["survivors"] < 2 and re.search(
+        r"process_vm_readv\(pid=\d+ .* No such process", logs
+    ):
+        # Results are right, yet a survivor is gone: a limit of MPICH's UCX,
+        # which gives no error handler (docs/mpi.rst, "When a worker dies").
+        # The death watch runs before every call into MPI, but the worker can
+        # die within one; seen in 2 of about 15 runs of the whole suite
+        pytest.xfail("UCX aborted a survivor copying from the dying worker")
+    assert report["survivors"] == 2, f"{report}\n{logs}"
     assert report["left_after_scale_down"] == [], report
     assert time.monotonic() - start < 120
 
