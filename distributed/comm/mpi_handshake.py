@@ -17,7 +17,7 @@ import struct
 
 from distributed.comm import mpi_gpu, mpi_startup
 from distributed.comm.core import FatalCommClosedError
-from distributed.comm.mpi_liveness import beacon, pid_namespace
+from distributed.comm.mpi_liveness import beacon, hung_up, pid_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +148,4 @@ def same_world(peer: dict) -> bool:
 
 def peer_gone(stream) -> bool:
     """Whether the peer closed the TCP connection, without reading from it"""
-    if stream.closed():
-        return True
-    try:
-        return stream.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+    return stream.closed() or hung_up(stream.socket)
