@@ -154,6 +154,8 @@ async def ping(address):
 async def port(path):
     await mpi_startup.mpi_ready()
     write(path, mpi_channel.channels.open_port())
+    # As an acceptor that gave up: connects to the port stay unmatched
+    mpi_startup.skip_finalize(mpi_channel._MEET_FAILED)
     await asyncio.Event().wait()  # until killed
 
 

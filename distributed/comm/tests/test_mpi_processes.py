@@ -30,6 +30,9 @@ pytestmark = pytest.mark.timeout(180)
 # One process of mpi_peer, under mpiexec: add its command
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 
+# What a job prints, to read
+OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+
 
 @pytest.fixture
 def server(tmp_path):
@@ -138,8 +141,7 @@ def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(tmp_pa
     """A sender killed with frames still pending in MPI: at exit, the receiver
     must not copy from its memory (UCX would abort it) and exits with 0"""
     path, flooded = str(tmp_path / "address"), str(tmp_path / "flooded")
-    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    with mpiexec([*PEER, "serve", path], **output) as receiver:
+    with mpiexec([*PEER, "serve", path], **OUTPUT) as receiver:
         address = wait_for_file(path, receiver)
         with mpiexec([*PEER, "flood", address, flooded]) as sender:
             wait_for_file(flooded, sender)
@@ -157,10 +159,9 @@ def test_processes_exit_without_ucx_warnings_after_frames_left_unread(tmp_path):
     UCX warned at MPI_Finalize about each message left unmatched (receiver)
     and each request not complete (sender)"""
     path, flooded = str(tmp_path / "address"), str(tmp_path / "flooded")
-    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    with mpiexec([*PEER, "serve", path], **output) as receiver:
+    with mpiexec([*PEER, "serve", path], **OUTPUT) as receiver:
         address = wait_for_file(path, receiver)
-        with mpiexec([*PEER, "flood", address, flooded], **output) as sender:
+        with mpiexec([*PEER, "flood", address, flooded], **OUTPUT) as sender:
             wait_for_file(flooded, sender)
             open(path + ".exit", "w").close()
             received, _ = receiver.communicate(timeout=60)
@@ -183,34 +184,46 @@ def test_separate_mpiexec_jobs(server):
 def idle_port(tmp_path):
     """The file of an MPI port that its process never accepts on"""
     path = str(tmp_path / "port")
-    with mpiexec([*PEER, "port", path]) as idle:
+    with mpiexec([*PEER, "port", path], **OUTPUT) as idle:
         wait_for_file(path, idle)
         yield path
+        idle.stop()
+        out = idle.stdout.read()
+    # The connects it never matched
+    assert "UCX" not in out, out
 
 
 def test_connect_that_timed_out_does_not_break_the_next(server, idle_port):
     """MPICH with UCX leaves the receive of a timed-out connect posted; the
-    next connect must not run into it"""
+    next connect must not run into it, nor UCX warn of it at exit"""
     address, _ = server
     out = run_mpiexec([*PEER, "ping-after-timeout", idle_port, address])
     assert "connect timed out" in out
     assert "ping ok" in out
+    assert "UCX" not in out, out
 
 
-def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(server, idle_port):
+def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_port):
     """A channel that MPI fails to open does not fail the comm: both ends
     fall back to TCP for it, and for every later comm of the pair, which
     then does not wait for MPI again"""
-    address, _ = server
-    out = run_mpiexec([*PEER, "ping-astray", idle_port, address])
-    assert out.count("ping ok") == 2, out
-    assert "over MPI" not in out
-    assert out.count("over TCP from now on") == 1, out
-    # The server goes on serving others over MPI
-    out = run_mpiexec([*PEER, "ping", address])
-    assert "ping ok" in out
-    assert "over MPI" in out
-    assert "over TCP" not in out
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve", path], **OUTPUT) as server:
+        address = wait_for_file(path, server)
+        out = run_mpiexec([*PEER, "ping-astray", idle_port, address])
+        assert out.count("ping ok") == 2, out
+        assert "over MPI" not in out
+        assert out.count("over TCP from now on") == 1, out
+        assert "UCX" not in out, out
+        # The server goes on serving others over MPI
+        out = run_mpiexec([*PEER, "ping", address])
+        assert "ping ok" in out
+        assert "over MPI" in out
+        assert "over TCP" not in out
+        server.stop()
+        out = server.stdout.read()
+    # Its accept that failed left a receive posted in MPICH
+    assert "UCX" not in out, out
 
 
 async def open_channel(comm) -> mpi_channel.Channel:
@@ -235,8 +248,7 @@ async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
     their data over TCP from then on"""
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "2s")
     path = str(tmp_path / "address")
-    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    with mpiexec([*PEER, "serve", path], **output) as proc:
+    with mpiexec([*PEER, "serve", path], **OUTPUT) as proc:
         address = wait_for_file(path, proc)
         comm = await connect(address)
         channel = await open_channel(comm)
