@@ -124,15 +124,24 @@ def _unlink_shared_memory() -> None:
     of memory behind for good.  Every local rank of the job has mapped it
     before MPI_Init returns in any of them, and nobody opens it by name later,
     so its name can go now; the memory stays until the last process unmaps it.
+
+    Open MPI 5 (to 5.0.11 at least) never removes the
+    ``/dev/shm/sm_segment.*`` of a process it did not launch, finalized or
+    not (open-mpi/ompi#13261); no other process attaches to it, since such a
+    process is alone in its job, and Open MPI connects no jobs here.
     """
     if sys.platform != "linux":
         return
+    names = ["/dev/shm/mpich_shm_"]
+    if "PMIX_RANK" not in os.environ:  # no PMIx launcher: an Open MPI singleton
+        names.append("/dev/shm/sm_segment.")
     try:
         with open("/proc/self/maps") as f:
             paths = {
                 line.split(None, 5)[5].strip()
                 for line in f
-                if "/dev/shm/mpich_shm_" in line and not line.endswith("(deleted)\n")
+                if any(name in line for name in names)
+                and not line.endswith("(deleted)\n")
             }
     except OSError:
         return

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -555,3 +557,44 @@ def test_open_mpi_jobs_apart_move_their_data_over_tcp(
     for worker in workers:
         assert worker["moved"] == 0 and not worker["channels"], report
     assert "Open MPI cannot connect processes of different" in log.read_text()
+
+
+LOCAL_CLUSTER = """
+import numpy as np
+from distributed import Client, LocalCluster
+
+if __name__ == "__main__":
+    with LocalCluster(
+        protocol="mpi", n_workers=2, threads_per_worker=1, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        a, b = client.scheduler_info()["workers"]
+        x = client.submit(np.ones, 2**21, workers=[a])
+        print(client.submit(np.sum, x, workers=[b]).result())
+"""
+
+
+def test_open_mpi_processes_it_did_not_launch_leave_no_shared_memory(openmpi, tmp_path):
+    """Open MPI never removes the /dev/shm/sm_segment.* of a process it did
+    not launch, such as those of a LocalCluster, finalized or not: mpi://
+    removes its name once the process mapped it"""
+    before = set(glob.glob("/dev/shm/sm_segment.*"))
+    script = tmp_path / "cluster.py"
+    script.write_text(LOCAL_CLUSTER)
+    proc = subprocess.Popen(
+        [openmpi, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_env(openmpi), **OPENMPI_ENV},
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, out
+    assert out.split()[-1] == str(float(2**21)), out
+    assert set(glob.glob("/dev/shm/sm_segment.*")) <= before
