@@ -55,23 +55,35 @@ logger = logging.getLogger(__name__)
 
 
 class Head(NamedTuple):
-    """A message's first frame on the TCP connection: which of its frames
-    travel over MPI, on which channel and tag, and whether the writer wants a
-    channel opened.  The message's other frames follow it on TCP, in order."""
+    """The first frame of a message some of whose frames travel over MPI, or
+    whose writer wants a channel opened: which frames, on which channel and
+    tag.  The message's other frames follow it on TCP, in order.  Other
+    messages go as ``tcp://`` writes them: their first frame is msgpack,
+    which never starts with the byte that a head starts with."""
 
     want_channel: bool
     channel: int  # Channel.id; 0 if no frame travels over MPI
     tag: int
     frames: list[tuple[int, int, int]]  # index, size, location of those that do
 
-    _FIXED = struct.Struct("<BxxxIQI")  # flags, len(frames), channel, tag
+    MARK = 0xC1  # "never used" in msgpack
+    _FIXED = struct.Struct("<BBxxIQI")  # MARK, flags, len(frames), channel, tag
     _FRAME = struct.Struct("<IQB")
+
+    @classmethod
+    def starts(cls, frame) -> bool:
+        """Whether a message's first frame is a head"""
+        return len(frame) > 0 and frame[0] == cls.MARK
 
     def pack(self) -> bytes:
         return b"".join(
             [
                 self._FIXED.pack(
-                    self.want_channel, len(self.frames), self.channel, self.tag
+                    self.MARK,
+                    self.want_channel,
+                    len(self.frames),
+                    self.channel,
+                    self.tag,
                 ),
                 *(self._FRAME.pack(*frame) for frame in self.frames),
             ]
@@ -79,7 +91,7 @@ class Head(NamedTuple):
 
     @classmethod
     def unpack(cls, data) -> Head:
-        want, n, channel, tag = cls._FIXED.unpack_from(data)
+        _, want, n, channel, tag = cls._FIXED.unpack_from(data)
         frames = [
             cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
             for i in range(n)
@@ -87,7 +99,6 @@ class Head(NamedTuple):
         return cls(bool(want), channel, tag, frames)
 
 
-_PLAIN_HEAD = Head(False, 0, 0, []).pack()  # all frames on TCP
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
 
 
@@ -132,7 +143,9 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         if channels.may_open(peer):
             await channels.open(stream, peer)
         return None
-    if mpi_startup.process_id() in peer.get("unreachable", ()):
+    if peer["process"] == mpi_startup.process_id():
+        channels.to_self()
+    elif mpi_startup.process_id() in peer.get("unreachable", ()):
         channels.give_up_on(peer["process"])
     theirs = peer.get("chunk_size")
     if isinstance(theirs, int) and theirs > 0:
@@ -199,9 +212,7 @@ class MPI(Comm):
         except CommClosedError:
             self._leave_channel()  # closed by the peer, which frees it soon
             raise
-        if frames and frames[0] == _PLAIN_HEAD:
-            del frames[0]
-        else:
+        if frames and Head.starts(frames[0]):
             try:
                 head = Head.unpack(frames[0])
             except (struct.error, IndexError, TypeError):
@@ -282,8 +293,8 @@ class MPI(Comm):
             self._receives.discard(fut)
 
     async def write(self, msg, serializers=None, on_error="message"):
-        if self.closed():
-            raise CommClosedError(f"{self} is closed")
+        # Every message passes here: each line costs a little on every
+        # control message, where mpi:// may cost no more than tcp://
         route = self._route
         channel = route and channels.get(route.peer["process"])
         frames = await to_frames(
@@ -306,15 +317,13 @@ class MPI(Comm):
                 else 2**62
             ),
         )
-        large = route and [
-            i for i, frame in enumerate(frames) if _goes_over_mpi(frame, route)
-        ]
+        large = route and _large_frames(frames, route.inline_size)
         if not large:
-            return self._tcp.write_frames([_PLAIN_HEAD, *frames])
+            return self._tcp.write_frames(frames)
         if channel is None:
             if route.dial:
                 channels.open_soon(route.dial, route.peer)
-                return self._tcp.write_frames([_PLAIN_HEAD, *frames])
+                return self._tcp.write_frames(frames)
             return self._tcp.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
         return await self._write_over_mpi(channel, frames, large)
@@ -465,12 +474,21 @@ class MPI(Comm):
                 channels.release(channel)
 
 
-def _goes_over_mpi(frame, route: _Route) -> bool:
-    if isinstance(frame, memoryview):  # most buffers, on every message
-        return frame.nbytes >= route.inline_size
-    if isinstance(frame, bytes):  # msgpack's, pickle's: small
-        return len(frame) >= route.inline_size
-    return mpi_gpu.is_device(frame) or mpi_gpu.nbytes(frame) >= route.inline_size
+def _large_frames(frames: list, inline_size: int) -> list[int]:
+    """The indices of the frames that travel over MPI"""
+    if len(frames) == 1 and len(frames[0]) < inline_size:  # msgpack alone
+        return []
+    return [i for i, frame in enumerate(frames) if _size(frame) >= inline_size]
+
+
+def _size(frame) -> int:
+    """A frame's size in bytes, for whether it goes over MPI; a GPU frame's
+    always does"""
+    if type(frame) is memoryview:  # most buffers
+        return frame.nbytes
+    if type(frame) is bytes:  # msgpack's, pickle's
+        return len(frame)
+    return 2**63 if mpi_gpu.is_device(frame) else mpi_gpu.nbytes(frame)
 
 
 def _chunks(frame, size: int) -> list:

@@ -137,11 +137,9 @@ class Channels:
         return len(self._by_id)
 
     def get(self, peer: str) -> Channel | None:
-        """The open channel to process ``peer``"""
-        channel = self._open.get(peer)
-        if channel is None and peer == process_id():
-            return self._self_channel()
-        return channel
+        """The open channel to process ``peer`` (to this process: once
+        :meth:`to_self` opened it)"""
+        return self._open.get(peer)
 
     def to_others(self) -> list[Channel]:
         """The open channels to other processes"""
@@ -151,7 +149,8 @@ class Channels:
         """The channel a message head names"""
         return self._by_id.get(id)
 
-    def _self_channel(self) -> Channel:
+    def to_self(self) -> Channel:
+        """The channel of this process to itself, opened on first use"""
         me = process_id()
         channel = self._open.get(me)
         if channel is None:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _init: concurrent.futures.Future | None = None  # MPI_Init, once started
 _lock = threading.Lock()  # guards _init
-_process: tuple[int, str] | None = None  # pid and process_id(), redone after a fork
+_process: str | None = None  # process_id(), redone after a fork
 _before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
 _skip_finalize: str | None = None  # why MPI_Finalize must not run, if it must not
 
@@ -204,10 +204,18 @@ def get_mpi():
 def process_id() -> str:
     """A name for this process, unique across hosts, jobs and forks"""
     global _process
-    if _process is None or _process[0] != os.getpid():
+    if _process is None:
         pid = os.getpid()
-        _process = (pid, f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}")
-    return _process[1]
+        _process = f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}"
+    return _process
+
+
+def _forget_process_id() -> None:
+    global _process
+    _process = None
+
+
+os.register_at_fork(after_in_child=_forget_process_id)
 
 
 @functools.cache

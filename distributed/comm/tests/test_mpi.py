@@ -34,9 +34,11 @@ from distributed.comm import (
     resolve_address,
 )
 from distributed.comm.core import FatalCommClosedError
+from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
 from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
 from distributed.comm.registry import backends
+from distributed.comm.utils import to_frames
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
 from distributed.utils_test import captured_logger, gen_cluster, gen_test, inc, popen
@@ -145,6 +147,32 @@ def test_address_helpers():
     assert get_address_host_port("mpi://127.0.0.1:8786") == ("127.0.0.1", 8786)
     assert resolve_address("mpi://localhost:8786") == "mpi://127.0.0.1:8786"
     assert get_local_address_for("mpi://127.0.0.1:8786") == "mpi://127.0.0.1"
+
+
+@gen_test()
+async def test_no_message_starts_as_a_head_does():
+    """A message whose frames all travel on TCP goes as tcp:// writes it,
+    without a head: its first frame is msgpack, which never starts with the
+    byte that a head starts with"""
+    messages = [
+        {"op": "ping"},
+        b"",
+        "x",
+        0,
+        -1,
+        None,
+        True,
+        2.5,
+        [],
+        tuple(range(1000)),
+        {"f": inc, "x": to_serialize(np.arange(10))},
+        Serialized({"serializer": "pickle"}, [b"abc"]),
+    ]
+    for msg in messages:
+        frames = await to_frames(msg)
+        assert not Head.starts(frames[0]), (msg, frames[0][:1])
+    assert Head.starts(Head(True, 0, 0, []).pack())
+    assert Head.starts(Head(False, 1, 2, [(0, 10, 0)]).pack())
 
 
 @gen_test()
