@@ -70,11 +70,6 @@ class Head(NamedTuple):
     _FIXED = struct.Struct("<BBxxIQI")  # MARK, flags, len(frames), channel, tag
     _FRAME = struct.Struct("<IQB")
 
-    @classmethod
-    def starts(cls, frame) -> bool:
-        """Whether a message's first frame is a head"""
-        return len(frame) > 0 and frame[0] == cls.MARK
-
     def pack(self) -> bytes:
         return b"".join(
             [
@@ -212,7 +207,7 @@ class MPI(Comm):
         except CommClosedError:
             self._leave_channel()  # closed by the peer, which frees it soon
             raise
-        if frames and Head.starts(frames[0]):
+        if frames and frames[0] and frames[0][0] == Head.MARK:  # inline: it is hot
             try:
                 head = Head.unpack(frames[0])
             except (struct.error, IndexError, TypeError):
@@ -317,7 +312,9 @@ class MPI(Comm):
                 else 2**62
             ),
         )
-        large = route and _large_frames(frames, route.inline_size)
+        if route is None or (len(frames) == 1 and len(frames[0]) < route.inline_size):
+            return self._tcp.write_frames(frames)  # msgpack alone: most messages
+        large = _large_frames(frames, route.inline_size)
         if not large:
             return self._tcp.write_frames(frames)
         if channel is None:
@@ -476,8 +473,6 @@ class MPI(Comm):
 
 def _large_frames(frames: list, inline_size: int) -> list[int]:
     """The indices of the frames that travel over MPI"""
-    if len(frames) == 1 and len(frames[0]) < inline_size:  # msgpack alone
-        return []
     return [i for i, frame in enumerate(frames) if _size(frame) >= inline_size]
 
 

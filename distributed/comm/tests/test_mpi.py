@@ -170,9 +170,9 @@ async def test_no_message_starts_as_a_head_does():
     ]
     for msg in messages:
         frames = await to_frames(msg)
-        assert not Head.starts(frames[0]), (msg, frames[0][:1])
-    assert Head.starts(Head(True, 0, 0, []).pack())
-    assert Head.starts(Head(False, 1, 2, [(0, 10, 0)]).pack())
+        assert frames[0][0] != Head.MARK, (msg, frames[0][:1])
+    assert Head(True, 0, 0, []).pack()[0] == Head.MARK
+    assert Head(False, 1, 2, [(0, 10, 0)]).pack()[0] == Head.MARK
 
 
 @gen_test()
