@@ -4,9 +4,9 @@
 
 Ping-pong sends the next message as soon as the last one is back; Dask's
 scheduler and workers mostly talk now and then, while their task threads
-compute. Here a client process sleeps ``gap`` (0 to 100 ms) between round
-trips of a small message to ``pingpong.py``'s echoing server and times each
-round trip (median per gap), in two series:
+compute. Here a client process sleeps ``gap`` (0 to 100 ms) before each round
+trip of a small message to an echoing server and times the round trip
+(median per gap), in two series:
 
 - ``idle``: the server does nothing else;
 - ``busy``: the server runs a task thread all along, as a worker computing
@@ -14,12 +14,17 @@ round trip (median per gap), in two series:
   loop's thread waits for it up to the switch interval, 5 ms) and a NumPy
   ufunc over 1 MiB (which releases the GIL while it runs).
 
-tcp:// and mpi:// alternate: in each round, each series runs both protocols,
-tcp first in one round and mpi first in the next (the two series in opposite
-orders); the figure per gap is the median of all round trips of all rounds
-(``per_round`` holds each round's median). Each protocol's server and client
-are processes of their own (``mpiexec -n 1`` each for mpi://). Writes ``pauses.json`` (``round_trip``: receiver idle,
-``round_trip_busy``: receiver busy; seconds, by gap in seconds) and
+The two transports are measured in the same two processes, each started by
+``mpiexec -n 1``: the server listens on tcp:// and on mpi://, the client holds
+a comm to each and alternates between them, round trip by round trip (tcp
+first, then mpi first), each after its own pause. Separate processes per
+transport differ by up to 30 % from one start to the next at long pauses (the
+VM's wake-up latency), which no number of samples removes. A third series,
+``control``, measures tcp:// against tcp:// the same way (receiver idle): how
+far from 1.0 the method itself lands. The figure per gap is the median of all
+round trips of all rounds (``per_round`` holds each round's median). Writes
+``pauses.json`` (``round_trip``: receiver idle, ``round_trip_busy``: receiver
+busy, ``round_trip_control``: tcp:// twice; seconds, by gap in seconds) and
 ``pauses.png``.
 """
 
@@ -30,43 +35,61 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pingpong
+from processes import launch, stop, wait_for_file
 
 HERE = os.path.abspath(__file__)
 GAPS = [0, 0.0005, 0.002, 0.005, 0.03, 0.1]  # seconds
-SERIES = {"idle": "round_trip", "busy": "round_trip_busy"}
+SERIES = {
+    "idle": "round_trip",
+    "busy": "round_trip_busy",
+    "control": "round_trip_control",
+}
+# What each series measures against what
+SERIES_PROTOCOLS = {
+    "idle": (["tcp", "mpi"], ["tcp://", "mpi://"]),
+    "busy": (["tcp", "mpi"], ["tcp://", "mpi://"]),
+    "control": (["tcp", "tcp"], ["tcp://", "tcp:// again"]),
+}
 
 
 def repetitions(gap: float, quick: bool) -> int:
-    """Round trips per gap: 200 (50 quick), fewer where the gaps add up to
-    more than 10 s (2 s quick)"""
-    most, seconds = (50, 2) if quick else (200, 10)
+    """Round trips per gap and transport: 200 (50 quick), fewer where the
+    gaps add up to more than 20 s (2 s quick)"""
+    most, seconds = (50, 2) if quick else (200, 20)
     return most if gap == 0 else max(20, min(most, int(seconds / gap)))
 
 
-async def client(address: str, quick: bool) -> dict:
+async def client(addresses: str, quick: bool) -> dict:
+    """Round trips over a comm to each of ``addresses`` (space-separated),
+    alternating: ``{transport: {gap: [seconds, ...]}}``"""
     from distributed.comm import connect
 
-    comm = await connect(address)
-    for _ in range(20):  # warm up
-        await comm.write({"op": "ping"})
-        await comm.read()
-    results = {}
-    for gap in GAPS:
-        times = []
-        for _ in range(repetitions(gap, quick)):
-            await asyncio.sleep(gap)
-            start = time.perf_counter()
+    comms = [await connect(address) for address in addresses.split()]
+    for comm in comms:
+        for _ in range(20):  # warm up
             await comm.write({"op": "ping"})
             await comm.read()
-            times.append(time.perf_counter() - start)
-        results[str(gap)] = times
-    await comm.close()
-    return results
+    times: list[dict] = [{} for _ in comms]
+    for gap in GAPS:
+        for t in times:
+            t[str(gap)] = []
+        for i in range(repetitions(gap, quick)):
+            for k in range(len(comms)) if i % 2 == 0 else reversed(range(len(comms))):
+                await asyncio.sleep(gap)
+                start = time.perf_counter()
+                await comms[k].write({"op": "ping"})
+                await comms[k].read()
+                times[k][str(gap)].append(time.perf_counter() - start)
+    for comm in comms:
+        await comm.close()
+    return {f"{i}": t for i, t in enumerate(times)}
 
 
 def busy_task() -> None:
@@ -82,10 +105,52 @@ def busy_task() -> None:
         a += 1.0
 
 
-def serve(protocol: str, path: str, busy: bool) -> None:
+async def echo_on(protocols: list[str], path: str) -> None:
+    """Echo every message back, on a listener for each of ``protocols``;
+    write their addresses to ``path``"""
+    from distributed.comm import CommClosedError, listen
+
+    async def echo(comm):
+        try:
+            while True:
+                await comm.write(await comm.read())
+        except CommClosedError:
+            pass
+
+    listeners = [
+        await listen(f"{p}://127.0.0.1:0", echo, deserialize=False) for p in protocols
+    ]
+    with open(path + ".tmp", "w") as f:
+        f.write(" ".join(listener.contact_address for listener in listeners))
+    os.rename(path + ".tmp", path)
+    await asyncio.Event().wait()
+
+
+def serve(protocols: list[str], path: str, busy: bool) -> None:
     if busy:
         threading.Thread(target=busy_task, daemon=True, name="task").start()
-    asyncio.run(pingpong.serve(protocol, path))
+    asyncio.run(echo_on(protocols, path))
+
+
+def run_series(protocols: list[str], quick: bool, busy: bool) -> list[dict]:
+    """The client's round trips to a server on ``protocols``, by protocol"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "address")
+        server_args = [HERE, "serve", ",".join(protocols), path]
+        server = launch(
+            server_args + (["--busy"] if busy else []),
+            True,
+            stdout=subprocess.DEVNULL,  # mpiexec's banner when it is stopped
+        )
+        try:
+            addresses = wait_for_file(path, server)
+            args = [HERE, "client", addresses] + (["--quick"] if quick else [])
+            client_proc = launch(args, True, stdout=subprocess.PIPE, text=True)
+            stdout, _ = client_proc.communicate(timeout=1800)
+            result = json.loads(stdout.strip().splitlines()[-1])
+        finally:
+            stop(server)
+    return [result[f"{i}"] for i in range(len(protocols))]
 
 
 def plot(results: dict, out: str) -> None:
@@ -100,23 +165,28 @@ def plot(results: dict, out: str) -> None:
     gaps = list(results["round_trip"]["tcp://"])  # evenly spaced, labelled
     xs = range(len(gaps))
     for series, key in SERIES.items():
-        style = "-" if series == "idle" else "--"
+        style = {"idle": "-", "busy": "--", "control": ":"}[series]
         figures = results[key]
-        for protocol, by_gap in figures.items():
-            rt.plot(
-                xs,
-                [by_gap[g] * 1e3 for g in gaps],
-                style,
-                marker="o",
-                label=f"{protocol} receiver {series}",
-            )
-        tcp, mpi = figures["tcp://"], figures["mpi://"]
+        if series != "control":
+            for protocol, by_gap in figures.items():
+                rt.plot(
+                    xs,
+                    [by_gap[g] * 1e3 for g in gaps],
+                    style,
+                    marker="o",
+                    label=f"{protocol} receiver {series}",
+                )
+        a, b = figures.values()
         ratio.plot(
             xs,
-            [mpi[g] / tcp[g] for g in gaps],
+            [b[g] / a[g] for g in gaps],
             style,
             marker="o",
-            label=f"receiver {series}",
+            label=(
+                "tcp:// / tcp:// (control)"
+                if series == "control"
+                else f"receiver {series}"
+            ),
         )
     ratio.axhline(1.0, color="black", linewidth=1)
     rt.set(ylabel="round trip (ms, median)", ylim=(0, None))
@@ -149,21 +219,13 @@ def main() -> None:
         "rounds": args.rounds,
         "busy_task": busy_task.__doc__,
     }
-    per_round = {s: {"tcp://": [], "mpi://": []} for s in SERIES}
+    per_round: dict = {s: {} for s in SERIES}
     for rnd in range(args.rounds):
-        # each series: tcp first in one round, mpi first in the next
-        for i, series in enumerate(SERIES):
-            order = ["tcp", "mpi"] if (rnd + i) % 2 == 0 else ["mpi", "tcp"]
-            for protocol in order:
-                print(
-                    f"round {rnd + 1}: receiver {series}, {protocol}://",
-                    file=sys.stderr,
-                )
-                server_args = ("--busy",) if series == "busy" else ()
-                times = pingpong.run_protocol(
-                    protocol, args.quick, HERE, HERE, server_args
-                )
-                per_round[series][f"{protocol}://"].append(times)
+        for series, (protocols, labels) in SERIES_PROTOCOLS.items():
+            print(f"round {rnd + 1}: {series}", file=sys.stderr)
+            times = run_series(protocols, args.quick, busy=series == "busy")
+            for label, t in zip(labels, times):
+                per_round[series].setdefault(label, []).append(t)
     for series, key in SERIES.items():
         results[key] = {
             protocol: {
@@ -186,13 +248,13 @@ def main() -> None:
 
 
 def summarize(results: dict) -> None:
-    print("receiver  gap (ms)   tcp (us)   mpi (us)   mpi/tcp")
+    print("series    gap (ms)     a (us)     b (us)       b/a")
     for series, key in SERIES.items():
-        tcp, mpi = results[key]["tcp://"], results[key]["mpi://"]
-        for gap in tcp:
+        a, b = results[key].values()  # tcp://, then mpi:// (control: tcp://)
+        for gap in a:
             print(
-                f"{series:8s} {float(gap) * 1e3:9g} {tcp[gap] * 1e6:10.0f}"
-                f" {mpi[gap] * 1e6:10.0f} {mpi[gap] / tcp[gap]:9.2f}"
+                f"{series:8s} {float(gap) * 1e3:9g} {a[gap] * 1e6:10.0f}"
+                f" {b[gap] * 1e6:10.0f} {b[gap] / a[gap]:9.2f}"
             )
 
 
@@ -200,6 +262,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
         pingpong.run_client(client)
     elif sys.argv[1:2] == ["serve"]:
-        serve(sys.argv[2], sys.argv[3], "--busy" in sys.argv[4:])
+        serve(sys.argv[2].split(","), sys.argv[3], "--busy" in sys.argv[4:])
     else:
         main()
