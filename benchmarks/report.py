@@ -177,15 +177,22 @@ def pauses_lines(pauses: dict) -> list[str]:
         for k, w in [("round_trip", "idle"), ("round_trip_busy", "busy")]
         if k in pauses
     ]
+    control = pauses.get("round_trip_control")
     head = "| pause |"
     for _, who in series:
         head += f" tcp:// {who} | mpi:// {who} | mpi/tcp {who} |"
-    lines = [head, "|---:|" + "---:|" * 3 * len(series)]
+    if control:
+        head += " tcp/tcp (control) |"
+    columns = 3 * len(series) + bool(control)
+    lines = [head, "|---:|" + "---:|" * columns]
     for gap in pauses["round_trip"]["tcp://"]:
         row = f"| {float(gap) * 1e3:g} ms |"
         for key, _ in series:
             tcp, mpi = pauses[key]["tcp://"][gap], pauses[key]["mpi://"][gap]
             row += f" {tcp * 1e6:.0f} us | {mpi * 1e6:.0f} us | {mpi / tcp:.2f} |"
+        if control:
+            a, b = (by_gap[gap] for by_gap in control.values())
+            row += f" {b / a:.2f} |"
         lines.append(row)
     return lines
 
