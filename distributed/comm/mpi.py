@@ -259,14 +259,14 @@ class MPI(Comm):
                         pending.append(post(chunks))
                         chunks = []
                     await mpi_gpu.recv_staged(
-                        frame, route.chunk_size, lambda slot: post([slot]), self._await
+                        frame, route.chunk_size, lambda slot: post([slot])
                     )
                 else:
                     chunks += _chunks(frame, route.chunk_size)
             if chunks:
                 pending.append(post(chunks))
             for fut in pending:
-                await self._await(fut)
+                await fut
         except Stalled:
             self._stalled(channel)
             raise CommClosedError(f"{self}: MPI stopped delivering")
@@ -280,12 +280,6 @@ class MPI(Comm):
             frames.insert(index, frame)
             channel.nbytes += size
         return frames
-
-    async def _await(self, fut: asyncio.Future):
-        try:
-            return await fut
-        finally:
-            self._receives.discard(fut)
 
     async def write(self, msg, serializers=None, on_error="message"):
         # Every message passes here: each line costs a little on every
@@ -394,6 +388,7 @@ class MPI(Comm):
                 sizes = [mpi_gpu.nbytes(c) for c in chunks]
                 fut = engine.receive(requests, chunks, channel.sender, sizes)
                 self._receives.add(fut)
+                fut.add_done_callback(self._receives.discard)
             else:
                 fut = engine.transfer(requests, chunks, channel.sender is not None)
                 if not fut.done():

@@ -35,7 +35,7 @@ import ctypes
 import functools
 import importlib.util
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 from distributed.comm.mpi_startup import config
@@ -380,10 +380,9 @@ async def recv_staged(
     frame,
     chunk_size: int,
     post: Callable[[object], asyncio.Future],
-    wait: Callable[[asyncio.Future], Awaitable],
 ) -> None:
     """Receive into the device ``frame`` through pinned slots: ``post(buffer)``
-    starts the receive of one chunk, ``wait(future)`` waits for it"""
+    starts the receive of one chunk"""
     chunks = pieces(nbytes(frame), chunk_size)
     if not chunks:
         return
@@ -395,7 +394,7 @@ async def recv_staged(
     )
     for i, (offset, size) in enumerate(chunks):
         slot = slots[i % DEPTH]
-        await wait(posted.popleft())
+        await posted.popleft()
         await stager.copy(target + offset, slot.ctypes.data, size, to_device=True)
         if i + DEPTH < len(chunks):  # the slot is free again
             posted.append(post(slot[: chunks[i + DEPTH][1]]))
