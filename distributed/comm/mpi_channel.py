@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import re
 import secrets
 import threading
@@ -86,6 +87,12 @@ _CONNECTED_ACROSS_HOSTS = (
     "this process connected to a process on another host with "
     "MPI_Comm_connect, after which MPICH's MPI_Finalize can crash"
 )
+# MPICH 5.0.2 with UCX once spun for good in an MPI_Comm_connect to another
+# host, its timeout long past (in ucp_request_release, on a spin lock): an
+# accept or connect that has not returned this many seconds after its timeout
+# is reported, and a process alone in its job exits (see _stuck_in_mpi)
+MEET_GRACE = 30
+
 # MPICH 5.0 with UCX leaves the receive of an accept or connect that failed
 # posted (see Channels.open_port), and the peer's late message unmatched:
 # UCX warns of both at MPI_Finalize
@@ -353,7 +360,14 @@ class Channels:
         this process forever otherwise)"""
         MPI = get_mpi()
         info = MPI.Info.Create()
-        info.Set("timeout", str(max(1, round(timeout))))
+        timeout = max(1, round(timeout))
+        info.Set("timeout", str(timeout))
+        call = "MPI_Comm_accept" if accepts else "MPI_Comm_connect"
+        watchdog = threading.Timer(
+            timeout + MEET_GRACE, _stuck_in_mpi, [call, timeout + MEET_GRACE]
+        )
+        watchdog.daemon = True
+        watchdog.start()
         try:
             if accepts:
                 return MPI.COMM_SELF.Accept(port, info)
@@ -362,6 +376,7 @@ class Channels:
             skip_finalize(_MEET_FAILED)
             raise
         finally:
+            watchdog.cancel()
             info.Free()
             if accepts:
                 self.close_port(port)
@@ -486,6 +501,24 @@ def _join(peer_rank: int, acceptor: str):
     finally:
         group.Free()
     return comm, ranks.index(peer_rank)
+
+
+def _stuck_in_mpi(call: str, seconds: float) -> None:
+    """A watchdog's: ``call`` has blocked the event loop for ``seconds``, past
+    its timeout, and will not return.  A process alone in its job exits; a
+    rank of a bigger one cannot without taking the whole job down with it
+    (its launcher ends the job), and says so, to be dropped by the scheduler
+    when its heartbeats stop."""
+    alone = world() is None
+    logger.critical(
+        "%s has not returned after %.0f s, past its timeout: MPI is stuck "
+        "(MPICH with UCX can spin for good in a connect to another host). %s",
+        call,
+        seconds,
+        "This process exits." if alone else "This process cannot go on.",
+    )
+    if alone:
+        os._exit(1)
 
 
 @functools.cache

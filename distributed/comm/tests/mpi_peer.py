@@ -30,6 +30,9 @@ writes it to FILE and never accepts on it.
 ``python -m distributed.comm.tests.mpi_peer ping-after-timeout FILE ADDRESS``
 first tries to connect to the port in FILE, which must time out, then pings.
 
+``python -m distributed.comm.tests.mpi_peer stuck-connect FILE`` connects to the
+port in FILE, and its watchdog of stuck MPI calls goes off before MPI's timeout.
+
 ``python -m distributed.comm.tests.mpi_peer ping-astray FILE ADDRESS`` pings
 twice, with every MPI accept or connect of its own sent to the port in FILE
 instead: MPI fails to open the channel at both ends, for real.
@@ -170,6 +173,19 @@ async def ping_after_timeout(path, address):
     await ping(address)
 
 
+async def stuck_connect(path):
+    """Connect to the port in FILE, with the watchdog of stuck MPI calls set
+    to go off while MPI still waits: as if MPI never returned"""
+    await mpi_startup.mpi_ready()
+    with open(path) as f:
+        port = f.read()
+    mpi_channel.MEET_GRACE = -1.5  # 0.5 s into a connect that times out at 2 s
+    try:
+        mpi_channel.channels._meet(port, accepts=False, timeout=2)
+    finally:
+        print("connect returned", flush=True)
+
+
 async def ping_astray(path, address):
     with open(path) as f:
         astray = f.read()
@@ -194,6 +210,7 @@ COMMANDS = {
     "port": port,
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,
+    "stuck-connect": stuck_connect,
 }
 
 if __name__ == "__main__":

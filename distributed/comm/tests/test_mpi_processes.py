@@ -203,6 +203,20 @@ def test_connect_that_timed_out_does_not_break_the_next(server, idle_port):
     assert "UCX" not in out, out
 
 
+def test_an_mpi_connect_that_never_returns_is_reported_and_its_process_exits(
+    idle_port,
+):
+    """MPICH with UCX once spun for good in a connect: a watchdog reports an
+    accept or connect that outlives its timeout, and a process alone in its
+    job exits instead of hanging (here the watchdog goes off while MPI waits)"""
+    with mpiexec([*PEER, "stuck-connect", idle_port], **OUTPUT) as proc:
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, out
+    assert "MPI_Comm_connect has not returned" in out, out
+    assert "This process exits" in out, out
+    assert "connect returned" not in out, out
+
+
 def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_port):
     """A channel that MPI fails to open does not fail the comm: both ends
     fall back to TCP for it, and for every later comm of the pair, which
