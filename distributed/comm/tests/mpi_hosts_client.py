@@ -48,6 +48,21 @@ def about() -> dict:
     }
 
 
+def opening() -> int:
+    """How many MPI channels this worker is opening (run on workers)"""
+    from distributed.comm.mpi_channel import channels
+
+    return len(channels._opening)
+
+
+def wait_for_channels(client: Client, timeout: float = 60) -> None:
+    """Until no worker is opening an MPI channel: those the last transfers
+    asked for are open (or failed), and the next transfers use them"""
+    deadline = time.monotonic() + timeout
+    while any(client.run(opening).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def across_hosts(client: Client) -> list[tuple[str, str]]:
     """Every ordered pair of workers on different hosts"""
     workers = client.scheduler_info(n_workers=-1)["workers"]
@@ -73,7 +88,7 @@ def check(client: Client, pause: str | None = None) -> dict:
     for round in range(2):
         futures = [move(client, a, b, i) for i, (a, b) in enumerate(pairs)]
         right &= client.gather(futures) == [i * SIZE for i in range(len(pairs))]
-        time.sleep(0.5)
+        wait_for_channels(client)
         if pause and round == 0:
             with open(pause, "w"):
                 pass

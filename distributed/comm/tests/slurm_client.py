@@ -22,12 +22,13 @@ import time
 import numpy as np
 
 from distributed import Client, wait
-from distributed.comm.tests.mpi_hosts_client import SIZE, about
+from distributed.comm.tests.mpi_hosts_client import SIZE, about, wait_for_channels
 
 
 def move_between_all(client: Client) -> bool:
     """Move an array from every worker to every other, twice (the first
-    round opens MPI channels: its arrays go over TCP while they open)"""
+    round opens MPI channels: its arrays go over TCP while they open, and
+    the second waits for them)"""
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     pairs = list(itertools.permutations(workers, 2))
     right = True
@@ -39,7 +40,7 @@ def move_between_all(client: Client) -> bool:
                 client.submit(np.sum, x, workers=[b], allow_other_workers=False)
             )
         right &= client.gather(futures) == [i * SIZE for i in range(len(pairs))]
-        time.sleep(0.2)
+        wait_for_channels(client)
     return bool(right)
 
 
