@@ -105,31 +105,10 @@ def busy_task() -> None:
         a += 1.0
 
 
-async def echo_on(protocols: list[str], path: str) -> None:
-    """Echo every message back, on a listener for each of ``protocols``;
-    write their addresses to ``path``"""
-    from distributed.comm import CommClosedError, listen
-
-    async def echo(comm):
-        try:
-            while True:
-                await comm.write(await comm.read())
-        except CommClosedError:
-            pass
-
-    listeners = [
-        await listen(f"{p}://127.0.0.1:0", echo, deserialize=False) for p in protocols
-    ]
-    with open(path + ".tmp", "w") as f:
-        f.write(" ".join(listener.contact_address for listener in listeners))
-    os.rename(path + ".tmp", path)
-    await asyncio.Event().wait()
-
-
-def serve(protocols: list[str], path: str, busy: bool) -> None:
+def serve(protocols: str, path: str, busy: bool) -> None:
     if busy:
         threading.Thread(target=busy_task, daemon=True, name="task").start()
-    asyncio.run(echo_on(protocols, path))
+    asyncio.run(pingpong.serve(protocols, path))
 
 
 def run_series(protocols: list[str], quick: bool, busy: bool) -> list[dict]:
@@ -262,6 +241,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
         pingpong.run_client(client)
     elif sys.argv[1:2] == ["serve"]:
-        serve(sys.argv[2].split(","), sys.argv[3], "--busy" in sys.argv[4:])
+        serve(sys.argv[2], sys.argv[3], "--busy" in sys.argv[4:])
     else:
         main()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -41,9 +42,10 @@ def repetitions(size: int, quick: bool, budget: int = 2**26) -> int:
     return max(3, n // 4) if quick else n
 
 
-async def serve(protocol: str, path: str, host: str = "127.0.0.1") -> None:
-    """Echo every message back (not deserialized: the same frames); write
-    the listener's address to ``path``"""
+async def serve(protocols: str, path: str, host: str = "127.0.0.1") -> None:
+    """Echo every message back (not deserialized: the same frames), on a
+    listener for each of the comma-separated ``protocols``; write their
+    addresses, space-separated, to ``path``"""
     from distributed.comm import CommClosedError, listen
 
     async def echo(comm):
@@ -53,9 +55,15 @@ async def serve(protocol: str, path: str, host: str = "127.0.0.1") -> None:
         except CommClosedError:
             pass
 
-    async with listen(f"{protocol}://{host}:0", echo, deserialize=False) as listener:
+    async with contextlib.AsyncExitStack() as stack:
+        listeners = [
+            await stack.enter_async_context(
+                listen(f"{protocol}://{host}:0", echo, deserialize=False)
+            )
+            for protocol in protocols.split(",")
+        ]
         with open(path + ".tmp", "w") as f:
-            f.write(listener.contact_address)
+            f.write(" ".join(listener.contact_address for listener in listeners))
         os.rename(path + ".tmp", path)
         await asyncio.Event().wait()
 
@@ -267,7 +275,7 @@ def summarize(results: dict) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
-        asyncio.run(serve(*sys.argv[2:5]))  # PROTOCOL PATH [HOST]
+        asyncio.run(serve(*sys.argv[2:5]))  # PROTOCOLS PATH [HOST]
     elif sys.argv[1:2] == ["client"]:
         run_client(client)
     elif sys.argv[1:2] == ["raw"]:
