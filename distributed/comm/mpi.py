@@ -35,7 +35,7 @@ from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
 from distributed.comm.addressing import get_address_host
-from distributed.comm.core import Comm, CommClosedError, FatalCommClosedError
+from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
@@ -156,17 +156,14 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
     )
 
 
-class MPI(Comm):
-    """A comm over a TCP connection, whose large frames travel over MPI.
+class MPI(TCP):
+    """A TCP comm whose large frames travel over MPI.
 
     Each message is written as a ``tcp://`` comm writes its frames, after a
     :class:`Head` that says which frames travel over MPI instead."""
 
     def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
-        super().__init__(deserialize=deserialize)
-        self._local_addr = local_addr
-        self._peer_addr = peer_addr  # distributed.comm.core.connect reads it
-        self._tcp = TCP(stream, local_addr, peer_addr, deserialize)
+        super().__init__(stream, local_addr, peer_addr, deserialize)
         self._socket = stream.socket  # to see the peer hang up before TCP reads
         self._route: _Route | None = None  # from the handshake
         self._channel: Channel | None = None  # the last one its data moved on
@@ -174,18 +171,6 @@ class MPI(Comm):
         self._sends: set = set()  # ... and of writes not complete
         self._posting = asyncio.Lock()  # held while a message's sends are posted
         self._engine: ProgressEngine | None = None  # once a transfer is posted
-
-    @property
-    def local_address(self) -> str:
-        return self._local_addr
-
-    @property
-    def peer_address(self) -> str:
-        return self._peer_addr
-
-    @property
-    def extra_info(self):
-        return self._tcp.extra_info
 
     @property
     def channel(self) -> Channel | None:
@@ -198,12 +183,9 @@ class MPI(Comm):
         pinned host memory), or None: as host frames, one end has no GPU"""
         return self._route and self._route.gpu
 
-    def closed(self) -> bool:
-        return self._tcp.closed()
-
     async def read(self, deserializers=None):
         try:
-            frames = await self._tcp.read_frames()
+            frames = await self.read_frames()
         except CommClosedError:
             self._leave_channel()  # closed by the peer, which frees it soon
             raise
@@ -285,37 +267,37 @@ class MPI(Comm):
         # Every message passes here: each line costs a little on every
         # control message, where mpi:// may cost no more than tcp://
         route = self._route
-        channel = route and channels.get(route.peer["process"])
+        # Between two processes with a GPU, GPU data stays there
+        channel = route and route.gpu and channels.get(route.peer["process"])
         frames = await to_frames(
             msg,
             allow_offload=self.allow_offload,
-            # Between two processes with a GPU, GPU data stays there
-            serializers=serializers or (channel and route.gpu and mpi_gpu.SERIALIZERS),
+            serializers=serializers or (channel and mpi_gpu.SERIALIZERS),
             on_error=on_error,
             context={
                 "sender": self.local_info,
                 "recipient": self.remote_info,
                 **self.handshake_options,
             },
-            # Over MPI, large frames travel in chunk-size pieces anyway, and
-            # shards would be copied together again on arrival (None: the
-            # default shard size)
+            # Unsplit: over MPI, large frames travel in chunk-size pieces
+            # anyway, and shards would be copied together again on arrival
             frame_split_size=(
-                TCP.max_shard_size
-                if channel is None or self.handshake_options.get("compression")
+                self.max_shard_size
+                if route is None or self.handshake_options.get("compression")
                 else 2**62
             ),
         )
         if route is None or (len(frames) == 1 and len(frames[0]) < route.inline_size):
-            return self._tcp.write_frames(frames)  # msgpack alone: most messages
+            return self.write_frames(frames)  # msgpack alone: most messages
         large = _large_frames(frames, route.inline_size)
         if not large:
-            return self._tcp.write_frames(frames)
+            return self.write_frames(frames)
+        channel = channel or channels.get(route.peer["process"])
         if channel is None:
             if route.dial:
                 channels.open_soon(route.dial, route.peer)
-                return self._tcp.write_frames(frames)
-            return self._tcp.write_frames([_WANT_CHANNEL_HEAD, *frames])
+                return self.write_frames(frames)
+            return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
         return await self._write_over_mpi(channel, frames, large)
 
@@ -347,9 +329,9 @@ class MPI(Comm):
                 # Sends first: MPI moves the data while the head travels
                 sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
                 post([chunk for chunks in sends for chunk in chunks])
-                return self._tcp.write_frames([head.pack(), *inline]) + sent
+                return self.write_frames([head.pack(), *inline]) + sent
             async with self._posting:  # a staged frame posts as it goes
-                nbytes = self._tcp.write_frames([head.pack(), *inline])
+                nbytes = self.write_frames([head.pack(), *inline])
                 for frame in over_mpi:
                     if mpi_gpu.is_device(frame):
                         await mpi_gpu.send_staged(
@@ -430,13 +412,13 @@ class MPI(Comm):
             self.abort()
             return
         self._drop_transfers()
-        await self._tcp.close()
+        await super().close()
         self._leave_channel()
 
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
         self._drop_transfers(cancel=True)
-        self._tcp.abort()
+        super().abort()
         self._leave_channel()
 
     def _drop_transfers(self, cancel: bool = False) -> None:
@@ -501,7 +483,7 @@ class MPIConnector(TCPConnector):
         mpi_startup.start_mpi()  # MPI starts with the first mpi:// connection
         comm = await super().connect(address, deserialize, **connection_args)
         try:
-            comm._route = await _handshake(comm._tcp.stream, dial=address)
+            comm._route = await _handshake(comm.stream, dial=address)
         except StreamClosedError as e:
             comm.abort()
             convert_stream_closed_error(self, e)
@@ -548,7 +530,7 @@ class MPIListener(TCPListener):
         return stream
 
     async def on_connection(self, comm, handshake_overrides=None):
-        comm._route = self._routes.pop(comm._tcp.stream, None)
+        comm._route = self._routes.pop(comm.stream, None)
         await super().on_connection(comm, handshake_overrides)
 
 

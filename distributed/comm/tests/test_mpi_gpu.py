@@ -132,7 +132,7 @@ async def test_device_frames_to_a_process_without_gpu_fail_clearly():
         # the head of one device frame of 8 bytes
         channel = channels.get(mpi_startup.process_id())
         head = Head(False, channel.id, channel.tag(), [(0, 8, mpi_gpu.DEVICE)])
-        a._tcp.write_frames([head.pack()])
+        a.write_frames([head.pack()])
         with pytest.raises(CommClosedError, match="GPU frames, which this process"):
             await b.read()
         assert b.closed()

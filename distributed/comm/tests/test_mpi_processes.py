@@ -268,7 +268,7 @@ async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
         channel = await open_channel(comm)
         # A head that names a frame over MPI which is never sent
         head = Head(False, channel.id, channel.tag(), [(0, 2_400_000, 0)])
-        comm._tcp.write_frames([head.pack()])
+        comm.write_frames([head.pack()])
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 30)
         # The next comm hears that the server gave up on MPI with this process
