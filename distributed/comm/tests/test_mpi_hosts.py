@@ -528,6 +528,30 @@ def test_open_mpi_job_across_hosts(simulated_hosts, openmpi, tmp_path):
         assert not any(c["inter"] for c in worker["channels"]), report
 
 
+def test_open_mpi_dask_mpi_across_hosts(simulated_hosts, openmpi, tmp_path):
+    """``dask-mpi --protocol mpi`` in one Open MPI job over three hosts, with
+    workers without nannies (a nanny's worker would be a process of no job,
+    which Open MPI does not connect): the workers on different hosts move
+    their data over channels of the job, and a client outside the job drives
+    them over the same mpi:// address, its comms on TCP"""
+    hosts = simulated_hosts(3, own_tmpdir=True)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*prte(hosts, {a: 1, b: 1, c: 1}), "-n", "3", "-m", "dask_mpi.cli"]
+    args += ["--protocol", "mpi", "--scheduler-file", path, "--nthreads", "1"]
+    args += ["--no-dashboard", "--worker-class", "distributed.Worker"]
+    with mpiexec(args, prefix=on(hosts, a, **OPENMPI_ENV), python=openmpi) as job:
+        wait_for_file(path, job)
+        report = client(hosts, a, path, 2, python=openmpi)
+    check_across_hosts(hosts, report, 2)
+    workers = report["workers"].values()
+    assert {w["hostname"] for w in workers} == {b, c}, report
+    assert all(w["library"].startswith("Open MPI") for w in workers), report
+    for worker in workers:
+        assert worker["channels"], report
+        assert not any(c["inter"] for c in worker["channels"]), report
+
+
 def test_open_mpi_jobs_apart_move_their_data_over_tcp(
     simulated_hosts, openmpi, tmp_path
 ):
