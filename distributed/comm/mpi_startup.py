@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import functools
+import glob
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ _lock = threading.Lock()  # guards _init
 _process: str | None = None  # process_id(), redone after a fork
 _before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
 _skip_finalize: str | None = None  # why MPI_Finalize must not run, if it must not
+_session_dirs: set[str] = set()  # Open MPI's, left behind: see _open_mpi_session_dirs
 
 # Warn when MPI_Init waits this long for the other ranks of an mpiexec job
 INIT_WARNING_DELAY = 10
@@ -96,6 +98,7 @@ def _initialize():
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
+        before = _open_mpi_session_dirs(MPI)
         # mpi4py would hold the GIL in MPI_Init and MPI_Finalize; ctypes lets
         # go of it, so this process goes on while MPI_Init waits for the
         # other ranks, and a process manager thread (mpi_pmi) can answer.
@@ -105,6 +108,7 @@ def _initialize():
         mpi_pmi.initialized()
         if failed:
             raise RuntimeError("MPI_Init_thread failed")
+        _session_dirs.update(_open_mpi_session_dirs(MPI) - before)
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         atexit.register(_finalize, MPI)
@@ -151,6 +155,22 @@ def _unlink_shared_memory() -> None:
             os.unlink(path)
 
 
+def _open_mpi_session_dirs(MPI) -> set[str]:
+    """The session directories of the Open MPI singletons of this user and
+    host (a process that Open MPI did not launch).  Open MPI 5 (to 5.0.11 at
+    least) removes a singleton's own in MPI_Finalize, but not its job's, one
+    level up: an empty directory per process, in ``/tmp`` for good.  The one
+    that appears during this process's MPI_Init is its own, unless another
+    singleton started at the same time: that one still holds its own
+    directory, or it is gone too."""
+    if "PMIX_RANK" in os.environ or not MPI.Get_library_version().startswith(
+        "Open MPI"
+    ):
+        return set()
+    tmp = next(filter(None, map(os.environ.get, ["TMPDIR", "TEMP", "TMP"])), "/tmp")
+    return set(glob.glob(os.path.join(tmp, f"ompi.*.{os.getuid()}", "jf.*", "*")))
+
+
 def _finalize(MPI) -> None:
     if MPI.Is_finalized():
         return
@@ -162,6 +182,9 @@ def _finalize(MPI) -> None:
     mpi_pmi.finalizing()
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     mpi_pmi.finalized()
+    for path in _session_dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # only if empty: not another singleton's, alive
 
 
 def skip_finalize(reason: str) -> None:

@@ -597,11 +597,18 @@ if __name__ == "__main__":
 """
 
 
-def test_open_mpi_processes_it_did_not_launch_leave_no_shared_memory(openmpi, tmp_path):
+def open_mpi_leftovers() -> set[str]:
+    """Open MPI's shared memory files, and the session directories of its jobs"""
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    jobs = os.path.join(tmp, f"ompi.*.{os.getuid()}", "jf.*", "*")
+    return set(glob.glob("/dev/shm/sm_segment.*") + glob.glob(jobs))
+
+
+def test_open_mpi_processes_it_did_not_launch_leave_nothing_behind(openmpi, tmp_path):
     """Open MPI never removes the /dev/shm/sm_segment.* of a process it did
-    not launch, such as those of a LocalCluster, finalized or not: mpi://
-    removes its name once the process mapped it"""
-    before = set(glob.glob("/dev/shm/sm_segment.*"))
+    not launch, such as those of a LocalCluster, finalized or not, nor the
+    directory of its job in /tmp: mpi:// removes both"""
+    before = open_mpi_leftovers()
     script = tmp_path / "cluster.py"
     script.write_text(LOCAL_CLUSTER)
     proc = subprocess.Popen(
@@ -621,4 +628,4 @@ def test_open_mpi_processes_it_did_not_launch_leave_no_shared_memory(openmpi, tm
         proc.wait()
     assert proc.returncode == 0, out
     assert out.split()[-1] == str(float(2**21)), out
-    assert set(glob.glob("/dev/shm/sm_segment.*")) <= before
+    assert open_mpi_leftovers() <= before
