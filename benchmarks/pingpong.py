@@ -2,10 +2,12 @@
 
     python benchmarks/pingpong.py [--quick] [--out benchmarks/results]
 
-For each protocol a server process echoes every message back (it reads with
-``deserialize=False``, so it sends the same frames back) and a client process
-times round trips through distributed's public comm API: one-way latency is
-half the round trip. The payload is a numpy array wrapped in ``to_serialize``
+A server process listens on every protocol and echoes every message back (it
+reads with ``deserialize=False``, so it sends the same frames back); a client
+process times round trips through distributed's public comm API on a comm to
+each listener, alternating between them round trip by round trip, so that the
+transports are compared in the same two processes: one-way latency is half the
+round trip. The payload is a numpy array wrapped in ``to_serialize``
 (the path of worker-to-worker transfers), plus a small dict message. The raw
 mpi4py ``Send``/``Recv`` ping-pong of the same buffers is the ceiling.
 Writes ``pingpong.json`` (and PNG plots when matplotlib is installed).
@@ -68,31 +70,42 @@ async def serve(protocols: str, path: str, host: str = "127.0.0.1") -> None:
         await asyncio.Event().wait()
 
 
-async def client(address: str, quick: bool) -> dict:
+async def client(addresses: str, quick: bool) -> dict:
+    """{protocol: {size: median one-way time}} over a comm to each of the
+    space-separated ``addresses``, alternating between them"""
     import numpy as np
 
     from distributed.comm import connect
     from distributed.protocol import to_serialize
 
-    comm = await connect(address)
-    results = {}
+    comms = {}
+    for address in addresses.split():
+        comms[address.split("//")[0] + "//"] = await connect(address)
+    results: dict = {name: {} for name in comms}
 
     async def timed(msg, n):
-        times = []
-        for _ in range(n):
-            start = time.perf_counter()
-            await comm.write(msg)
-            await comm.read()
-            times.append((time.perf_counter() - start) / 2)
-        return statistics.median(times)
+        times: dict = {name: [] for name in comms}
+        for i in range(n):
+            # Each goes first in turn: neither always follows the other
+            for name, comm in list(comms.items())[:: 1 if i % 2 else -1]:
+                start = time.perf_counter()
+                await comm.write(msg)
+                await comm.read()
+                times[name].append((time.perf_counter() - start) / 2)
+        return {name: statistics.median(t) for name, t in times.items()}
+
+    def record(key, medians: dict) -> None:
+        for name, median in medians.items():
+            results[name][key] = median
 
     await timed({"op": "ping", "i": 1}, 20)  # warm up
-    results["dict"] = await timed({"op": "ping", "i": 1, "key": "x-123"}, 200)
+    record("dict", await timed({"op": "ping", "i": 1, "key": "x-123"}, 200))
     for size in sizes(quick):
         msg = {"x": to_serialize(np.ones(size, dtype="u1"))}
         await timed(msg, 2)
-        results[size] = await timed(msg, repetitions(size, quick))
-    await comm.close()
+        record(size, await timed(msg, repetitions(size, quick)))
+    for comm in comms.values():
+        await comm.close()
     return results
 
 
@@ -142,8 +155,9 @@ def run_protocol(
 ) -> dict:
     """The client's figures, with an echoing server (``server_script serve
     PROTOCOL PATH *server_args``: this script's, by default); the client is
-    ``client_script client ADDRESS``"""
-    mpi = protocol == "mpi"
+    ``client_script client ADDRESS``.  ``protocol`` may be several,
+    comma-separated: the server listens on each, and ADDRESS names them all"""
+    mpi = "mpi" in protocol.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "address")
         server = launch(  # stdout: mpiexec's banner when it is stopped
@@ -174,7 +188,7 @@ def run_one_job(quick: bool) -> dict:
         try:
             for line in job.stdout:  # the client's result; the server serves on
                 if line.startswith("{"):
-                    return json.loads(line)
+                    return json.loads(line)["mpi://"]
             raise RuntimeError(f"{cmd} printed no result")
         finally:
             kill(job)
@@ -243,9 +257,8 @@ def main() -> None:
     except ImportError:
         pass
     results = {"machine": versions(), "quick": args.quick, "transports": {}}
-    for protocol in protocols:
-        print(f"{protocol}://", file=sys.stderr)
-        results["transports"][f"{protocol}://"] = run_protocol(protocol, args.quick)
+    print(", ".join(f"{protocol}://" for protocol in protocols), file=sys.stderr)
+    results["transports"] = run_protocol(",".join(protocols), args.quick)
     print("mpi:// in one job", file=sys.stderr)
     results["transports"]["mpi:// one job"] = run_one_job(args.quick)
     cmd = [MPIEXEC, "-n", "2", sys.executable, HERE, "raw"] + (

@@ -159,8 +159,8 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
 class MPI(TCP):
     """A TCP comm whose large frames travel over MPI.
 
-    Each message is written as a ``tcp://`` comm writes its frames, after a
-    :class:`Head` that says which frames travel over MPI instead."""
+    A message is written as a ``tcp://`` comm writes it; one some of whose
+    frames travel over MPI instead starts with a :class:`Head` that says which."""
 
     def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
         super().__init__(stream, local_addr, peer_addr, deserialize)
