@@ -132,7 +132,13 @@ class ProgressEngine:
         now = self._loop.time()
         entry = _Transfer(requests, keepalive, busy, sender, stall_after, now, sizes)
         self._transfers[fut] = entry
-        if busy:
+        if sizes:
+            # MPICH with UCX copies a message from this host in the second
+            # call into MPI after its receive was posted, at the earliest
+            # (the first matches it with the sender's rendezvous): make that
+            # call now rather than an iteration of the event loop later
+            self.wake(at_once=True)
+        elif busy:
             self.wake()
         elif self._handle is None and not self._loop.is_closed():
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
@@ -195,14 +201,17 @@ class ProgressEngine:
         # completes what is left (see mpi_channel.Channels.drain)
         left.extend(entry for entry in self.in_flight() if any(entry[0]))
 
-    def wake(self) -> None:
-        """Poll soon: something was posted"""
+    def wake(self, at_once: bool = False) -> None:
+        """Poll soon (or now): something was posted"""
         self._last_progress = self._loop.time()
         self._delay = 0.0
-        if isinstance(self._handle, asyncio.TimerHandle):
-            self._handle.cancel()
+        if at_once or isinstance(self._handle, asyncio.TimerHandle):
+            if self._handle is not None:
+                self._handle.cancel()
             self._handle = None
-        if self._handle is None and not self._loop.is_closed():
+        if at_once:
+            self._poll()
+        elif self._handle is None and not self._loop.is_closed():
             self._handle = self._loop.call_soon(self._poll)
 
     def _poll(self) -> None:
