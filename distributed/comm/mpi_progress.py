@@ -137,8 +137,12 @@ class ProgressEngine:
             # call into MPI after its receive was posted, at the earliest
             # (the first matches it with the sender's rendezvous): make that
             # call now rather than an iteration of the event loop later
-            self.wake(at_once=True)
-        elif busy:
+            self.drop_dead_senders()
+            if fut in self._transfers:
+                self._test(fut, entry, now)
+            if fut.done():
+                return fut
+        if busy:
             self.wake()
         elif self._handle is None and not self._loop.is_closed():
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
@@ -201,17 +205,14 @@ class ProgressEngine:
         # completes what is left (see mpi_channel.Channels.drain)
         left.extend(entry for entry in self.in_flight() if any(entry[0]))
 
-    def wake(self, at_once: bool = False) -> None:
-        """Poll soon (or now): something was posted"""
+    def wake(self) -> None:
+        """Poll soon: something was posted"""
         self._last_progress = self._loop.time()
         self._delay = 0.0
-        if at_once or isinstance(self._handle, asyncio.TimerHandle):
-            if self._handle is not None:
-                self._handle.cancel()
+        if isinstance(self._handle, asyncio.TimerHandle):
+            self._handle.cancel()
             self._handle = None
-        if at_once:
-            self._poll()
-        elif self._handle is None and not self._loop.is_closed():
+        if self._handle is None and not self._loop.is_closed():
             self._handle = self._loop.call_soon(self._poll)
 
     def _poll(self) -> None:
@@ -249,34 +250,36 @@ class ProgressEngine:
         progressed = False
         for fut, entry in list(self._transfers.items()):
             self.drop_dead_senders()
-            if fut not in self._transfers:
-                continue  # its sender died
-            statuses = [] if entry.sizes else None
-            try:
-                completed = self._MPI.Request.Testsome(entry.requests, statuses)
-            except self._MPI.Exception as e:
-                del self._transfers[fut]
-                fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
-                progressed = True
-                continue
-            if completed and entry.sizes:
-                if wrong := self._wrong_size(completed, statuses, entry.sizes):
-                    self.cancel(fut, CommClosedError(wrong))
-                    progressed = True
-                    continue
-            # Testsome set the completed requests to MPI_REQUEST_NULL (falsy);
-            # it returns None once none is left active
-            if completed is None or (completed and not any(entry.requests)):
-                del self._transfers[fut]
-                if not fut.done():
-                    fut.set_result(None)
-                progressed = True
-            elif completed:
-                entry.last = now
-                progressed = True
-            elif entry.stall_after and now - entry.last > entry.stall_after:
-                self.cancel(fut, Stalled("MPI delivered nothing"))
+            if fut in self._transfers:  # unless its sender died
+                progressed |= self._test(fut, entry, now)
         return progressed
+
+    def _test(self, fut: asyncio.Future, entry: _Transfer, now: float) -> bool:
+        """Test the requests of one transfer; whether any completed"""
+        statuses = [] if entry.sizes else None
+        try:
+            completed = self._MPI.Request.Testsome(entry.requests, statuses)
+        except self._MPI.Exception as e:
+            del self._transfers[fut]
+            fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+            return True
+        if completed and entry.sizes:
+            if wrong := self._wrong_size(completed, statuses, entry.sizes):
+                self.cancel(fut, CommClosedError(wrong))
+                return True
+        # Testsome set the completed requests to MPI_REQUEST_NULL (falsy); it
+        # returns None once none is left active
+        if completed is None or (completed and not any(entry.requests)):
+            del self._transfers[fut]
+            if not fut.done():
+                fut.set_result(None)
+            return True
+        if completed:
+            entry.last = now
+            return True
+        if entry.stall_after and now - entry.last > entry.stall_after:
+            self.cancel(fut, Stalled("MPI delivered nothing"))
+        return False
 
     def _wrong_size(self, indices, statuses: list, sizes: list[int]) -> str | None:
         """What is wrong with the receives at ``indices`` that completed with
