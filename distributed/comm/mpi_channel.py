@@ -22,7 +22,8 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 - a process alone in its job connects to a rank of a bigger one (after a
   connect to another host, MPICH's MPI_Finalize can crash, and only a
   process alone in its job may leave it out); else, of two processes, the
-  one whose ``process_id()`` sorts first accepts;
+  one whose ``process_id()`` sorts first accepts.  Ranks of two jobs of
+  several ranks on different hosts do not meet (TCP only);
 - the acceptor enters MPI first, as soon as it has sent its port name over
   TCP, and gives up after ``channel-timeout``;
 - so the connector connects only to an acceptor that is waiting: at once on
@@ -78,11 +79,12 @@ MAX_JOBS = 1000
 
 _MPICH_PORT_TAG = re.compile(r"^tag#\d+\$")  # the tag in an MPICH port name
 
-# MPICH 5.0 with UCX over TCP: MPI_Comm_connect to a process on another host
-# leaves a UCX request behind in the connecting process, which MPI_Finalize
-# (ucp_worker_destroy) reports as leaked, reading it after its endpoint was
-# destroyed: often a segmentation fault, after the work is done.  Nothing
-# that MPI offers (Comm_disconnect, Comm_free, progress) takes it back.
+# MPICH 5.0 with UCX: MPI_Comm_connect to a process on another host releases
+# a UCX request twice (MPIDI_UCX_dynamic_send, when its send waits for UCX to
+# connect), which takes another out of UCX's pool for good; MPI_Finalize
+# (ucp_worker_destroy) reports that one as leaked, reading what it last held:
+# a warning, or a segmentation fault, after the work is done.  Nothing that
+# MPI offers (Comm_disconnect, Comm_free, progress) puts it back.
 _CONNECTED_ACROSS_HOSTS = (
     "this process connected to a process on another host with "
     "MPI_Comm_connect, after which MPICH's MPI_Finalize can crash"
@@ -250,6 +252,9 @@ class Channels:
         """Whether to open a channel to the process of this hello"""
         if handshake.open_mpi_apart(peer):
             _warn_open_mpi_apart()
+            return False
+        if handshake.jobs_apart_across_hosts(peer):
+            _warn_jobs_apart()
             return False
         return (
             self.reachable(peer["process"])
@@ -539,6 +544,16 @@ def _warn_open_mpi_apart() -> None:
         "comms between them move their data over TCP. Start them all in one "
         "mpiexec job, workers with --no-nanny (dask-mpi: --worker-class "
         "distributed.Worker), or use MPICH"
+    )
+
+
+@functools.cache
+def _warn_jobs_apart() -> None:
+    logger.warning(
+        "MPICH cannot connect ranks of different mpiexec jobs of several "
+        "ranks on different hosts without crashing at exit: comms between "
+        "them move their data over TCP. Start them in one mpiexec job, or "
+        "each worker alone (mpiexec -n 1, or with a nanny)"
     )
 
 

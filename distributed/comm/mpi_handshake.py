@@ -126,6 +126,25 @@ def open_mpi_apart(peer: dict) -> bool:
     )
 
 
+def jobs_apart_across_hosts(peer: dict) -> bool:
+    """Whether the peer is a rank of another MPICH job of several ranks, on
+    another host, and this process too.  One of the two would have to call
+    MPI_Comm_connect, which (MPICH 5.0, UCX: ``MPIDI_UCX_dynamic_send``)
+    releases its send request twice when the send waits for UCX to connect,
+    as it does between hosts: MPI_Finalize then reports a request as leaked,
+    reading a stale one, and may crash.  A process alone in its job leaves
+    MPI_Finalize out; a rank of a bigger job cannot, so the two talk over
+    TCP alone"""
+    mine, theirs = mpi_startup.world(), peer.get("world")
+    return (
+        mpi_startup.library().startswith("MPICH")
+        and mine is not None
+        and theirs is not None
+        and theirs[0] != mine[0]
+        and peer["process"].split("/", 1)[0] != socket.gethostname()
+    )
+
+
 def pid_isolated(peer: dict) -> bool:
     """Whether the peer runs on this host in another PID namespace (a
     container sharing the host's name): MPICH 5.0 with UCX crashes opening a

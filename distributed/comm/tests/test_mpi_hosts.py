@@ -369,6 +369,45 @@ def test_job_and_worker_alone_on_other_hosts_shut_down_cleanly(
         assert not ucx_complaints(out), out
 
 
+def test_jobs_of_several_ranks_on_different_hosts_shut_down_cleanly(
+    simulated_hosts, tmp_path
+):
+    """A job of two ranks (the scheduler and a worker) on one host, and a job
+    of two workers on another.  Ranks of two MPICH jobs on different hosts
+    move their data over TCP: the one that called MPI_Comm_connect would
+    crash or warn in MPI_Finalize, which it cannot leave out (see
+    ``mpi_handshake.jobs_apart_across_hosts``).  After ``client.shutdown()`` every process
+    exits with 0, without a complaint from UCX"""
+    hosts = simulated_hosts(2)
+    a, b = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    worker = [*WORKER, "--no-nanny", "--scheduler-file", path]
+    first = ["-n", "1", *SCHEDULER, "--protocol", "mpi", "--scheduler-file", path]
+    first += [":", "-n", "1", *worker]
+    logs = {name: tmp_path / f"{name}.log" for name in [a, b]}
+    with open(logs[a], "w") as out_a, open(logs[b], "w") as out_b:
+        output = {"stderr": subprocess.STDOUT}
+        with mpiexec(first, prefix=on(hosts, a), stdout=out_a, **output) as job_a:
+            wait_for_file(path, job_a)
+            second = ["-n", "2", *worker]
+            with mpiexec(second, prefix=on(hosts, b), stdout=out_b, **output) as job_b:
+                with client_process(hosts, a, path, 3, "shutdown") as proc:
+                    report = client_report(proc)
+                job_b.wait(60)
+            job_a.wait(60)
+    assert report["right"], report
+    on_b = [w for w in report["workers"].values() if w["hostname"] == b]
+    [on_a] = [w for w in report["workers"].values() if w["hostname"] == a]
+    assert len(on_b) == 2 and on_a["world"][0] != on_b[0]["world"][0], report
+    for worker in [on_a, *on_b]:
+        assert worker["channels"] == [] and worker["moved"] == 0, report
+    for name, proc in [(a, job_a), (b, job_b)]:
+        out = logs[name].read_text()
+        assert proc.returncode == 0, out
+        assert not ucx_complaints(out), out
+    assert "move their data over TCP" in logs[a].read_text()
+
+
 @pytest.mark.parametrize(
     "netmod,interface", [("ucx", "eth0"), ("ucx", "eth1"), ("ofi", "eth1")]
 )
