@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from distributed.comm import get_address_host, mpi_channel
 from distributed.utils import open_port
 from distributed.utils_test import gen_test
 from distributed.comm.tests.mpi_processes import (
+    known_mpi_crash,
     moved_over_mpi,
     mpiexec,
     run_mpiexec,
@@ -217,18 +217,6 @@ def test_local_cluster(start):
         wait_for_worker_count(client, 1, "workers not retired")
         assert client.submit(sum, [1, 2]).result() == 3
     assert_gone(processes)
-
-
-def known_mpi_crash(output: str) -> str | None:
-    """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
-    those it has when a peer dies just after mpi://'s last check that it
-    lives, as MPI starts to touch its memory (see docs/mpi-design.rst)"""
-    if "process_vm_readv" in output:
-        return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
-    connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
-    if re.search(connect_crashed, output, re.S):
-        return "MPI_Comm_connect crashed: the killed worker died as the two connected"
-    return None
 
 
 def test_killed_worker_does_not_take_the_cluster_down(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -121,3 +122,19 @@ def moved_over_mpi() -> int:
     from distributed.comm.mpi_channel import channels
 
     return sum(channel.nbytes for channel in channels.to_others())
+
+
+def known_mpi_crash(output: str) -> str | None:
+    """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
+    those it has when a peer dies just after mpi://'s last check that it
+    lives, as MPI starts to touch its memory or its connection (see
+    docs/mpi-design.rst, "Failure modes")"""
+    if re.search(r"process_vm_readv\(pid=\d+ .* No such process", output):
+        return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
+    connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
+    if re.search(connect_crashed, output, re.S):
+        return "MPI_Comm_connect crashed: the killed worker died as the two connected"
+    send_crashed = r"Segmentation fault.*mpi\.py\", line \d+ in _write_over_mpi\n"
+    if re.search(send_crashed, output, re.S):
+        return "MPI_Isend crashed: the worker it sent to, on another host, had died"
+    return None
