@@ -9,6 +9,8 @@ of its own to that listener (:func:`dial`); the other end asks it to in the
 heads of the messages it writes.  Until the channel is open, messages travel
 whole over TCP.  Every comm between the two processes, in either direction,
 then uses the channel; each message's frames have a tag of their own.
+Processes on different hosts open one only where MPI has an RDMA network
+there (``across-hosts``, see ``mpi_handshake.tcp_between_hosts``).
 
 Ranks of one ``mpiexec`` job make a communicator of the two of them with
 ``MPI_Comm_create_group`` (only they take part); processes of different jobs,
@@ -252,6 +254,9 @@ class Channels:
         """Whether to open a channel to the process of this hello"""
         if handshake.open_mpi_apart(peer):
             _warn_open_mpi_apart()
+            return False
+        if handshake.tcp_between_hosts(peer):
+            _log_tcp_between_hosts(config("across-hosts"))
             return False
         if handshake.jobs_apart_across_hosts(peer):
             _warn_jobs_apart()
@@ -544,6 +549,17 @@ def _warn_open_mpi_apart() -> None:
         "comms between them move their data over TCP. Start them all in one "
         "mpiexec job, workers with --no-nanny (dask-mpi: --worker-class "
         "distributed.Worker), or use MPICH"
+    )
+
+
+@functools.cache
+def _log_tcp_between_hosts(setting: str) -> None:
+    logger.info(
+        "Frames between this process and processes on other hosts travel over "
+        "TCP (distributed.comm.mpi.across-hosts: %s; auto uses MPI between "
+        "hosts that both have an RDMA network up: without one, MPI runs over "
+        "TCP too, and more slowly)",
+        setting,
     )
 
 

@@ -10,6 +10,8 @@ A hello that says ``"open"`` asks for an MPI channel instead of a comm (see
 
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import logging
 import socket
@@ -86,6 +88,7 @@ async def exchange(stream, mine: dict, may_open=None) -> dict:
 
 
 def hello() -> dict:
+    across_hosts()  # a bad setting fails every handshake, and says why
     return {
         "protocol": PROTOCOL,
         "process": mpi_startup.process_id(),
@@ -93,6 +96,7 @@ def hello() -> dict:
         "world": mpi_startup.world(),
         "beacon": beacon(),
         "pid_namespace": pid_namespace(),
+        "rdma": rdma(),
         "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 
@@ -126,6 +130,46 @@ def open_mpi_apart(peer: dict) -> bool:
     )
 
 
+def tcp_between_hosts(peer: dict) -> bool:
+    """Whether the peer runs on another host, and its frames are to travel
+    over TCP (setting ``across-hosts``).  Without an RDMA network at both
+    ends MPI runs over TCP too (MPICH: UCX's tcp transport), slower than the
+    comm's own connection (docs/benchmarks.rst, "Across hosts")"""
+    setting = across_hosts()
+    if setting == "mpi" or not _other_host(peer):
+        return False
+    return setting == "tcp" or not (rdma() and peer.get("rdma") is True)
+
+
+def across_hosts() -> str:
+    """The setting ``across-hosts``: auto, mpi or tcp"""
+    setting = mpi_startup.config("across-hosts")
+    if setting not in ("auto", "mpi", "tcp"):
+        raise ValueError(
+            "distributed.comm.mpi.across-hosts must be auto, mpi or tcp, "
+            f"not {setting!r}"
+        )
+    return setting
+
+
+@functools.cache
+def rdma() -> bool:
+    """Whether this host has an RDMA network port up (InfiniBand, RoCE,
+    Omni-Path, EFA: what MPI uses between hosts instead of TCP)"""
+    for path in glob.glob("/sys/class/infiniband/*/ports/*/state"):
+        try:
+            with open(path) as f:
+                if "ACTIVE" in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def _other_host(peer: dict) -> bool:
+    return peer["process"].split("/", 1)[0] != socket.gethostname()
+
+
 def jobs_apart_across_hosts(peer: dict) -> bool:
     """Whether the peer is a rank of another MPICH job of several ranks, on
     another host, and this process too.  One of the two would have to call
@@ -141,7 +185,7 @@ def jobs_apart_across_hosts(peer: dict) -> bool:
         and mine is not None
         and theirs is not None
         and theirs[0] != mine[0]
-        and peer["process"].split("/", 1)[0] != socket.gethostname()
+        and _other_host(peer)
     )
 
 

@@ -33,6 +33,8 @@ import psutil
 
 STATE = "/run/simulated-hosts"  # a state file per live instance, and a lock
 PREFIX = "simhost-"  # of every network namespace an instance makes
+# The setting that sends frames between hosts over MPI even without RDMA
+ACROSS_HOSTS = "DASK_DISTRIBUTED__COMM__MPI__ACROSS_HOSTS"
 _counter = itertools.count()
 
 
@@ -81,8 +83,9 @@ class SimulatedHosts:
     Host names resolve to ``eth0`` addresses, and the default route goes
     through ``eth0``.  Processes started on a host (:meth:`command`,
     :meth:`popen`, :attr:`fake_ssh`) run with :attr:`env`, which tells UCX
-    and libfabric to use ``eth0``: outside these namespaces they would pick
-    the machine's own interfaces.  Hosts share the machine's ``/tmp``; with
+    and libfabric to use ``eth0`` (outside these namespaces they would pick
+    the machine's own interfaces), and mpi:// to move data between hosts over
+    MPI: these hosts have no RDMA network, where it would not by default.  Hosts share the machine's ``/tmp``; with
     ``own_tmpdir``, each host's processes have a ``TMPDIR`` of its own, removed
     with the hosts.  Open MPI needs one: it names its session directories
     there by process id alone, and ids repeat on every host and in every run.
@@ -97,7 +100,11 @@ class SimulatedHosts:
         self.tag = f"{os.getpid()}-{next(_counter)}"
         self.interfaces = interfaces
         self.own_tmpdir = own_tmpdir
-        self.env = {"UCX_NET_DEVICES": "eth0", "FI_TCP_IFACE": "eth0"}
+        self.env = {
+            "UCX_NET_DEVICES": "eth0",
+            "FI_TCP_IFACE": "eth0",
+            ACROSS_HOSTS: "mpi",
+        }
         self._inits: dict[str, subprocess.Popen] = {}
         self._pids: dict[str, int] = {}  # of each host's first process
         self._namespaces: list[str] = []

@@ -33,6 +33,7 @@ import time
 import psutil
 
 from distributed.comm.tests.mpi_processes import _env
+from distributed.comm.tests.simulated_hosts import ACROSS_HOSTS
 
 MARKER = "DASK_SLURM_CLUSTER"
 PREFIX = "dask-slurm-"
@@ -141,6 +142,8 @@ class SlurmCluster:
             # Workers' scratch space, Hydra's files and the like stay inside
             "DASK_TEMPORARY_DIRECTORY": self.path("tmp"),
             "TMPDIR": self.path("tmp"),
+            # Nodes without RDMA: move data between them over MPI anyway
+            ACROSS_HOSTS: "mpi",
         }
         self.env["PATH"] = _sbin_path() + os.pathsep + self.env["PATH"]
         self._write_config()

@@ -33,6 +33,7 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
+from distributed.comm import mpi_handshake, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
@@ -139,6 +140,25 @@ def test_local_peer_knows_when_its_process_died():
         assert LocalPeer.find({**hello, "process": f"elsewhere/{proc.pid}/x"}) is None
         # A container on this host: its pids are not ours
         assert LocalPeer.find({**hello, "pid_namespace": -1}) is None
+
+
+@gen_test()
+async def test_across_hosts_setting():
+    await mpi_startup.mpi_ready()
+    here = mpi_handshake.hello()
+    there = {**here, "process": "elsewhere/1/x"}
+    assert mpi_handshake.tcp_between_hosts(there) is not (
+        here["rdma"] and there["rdma"]
+    )
+    assert not mpi_handshake.tcp_between_hosts(here)  # this host: always MPI
+    with dask.config.set({"distributed.comm.mpi.across-hosts": "mpi"}):
+        assert not mpi_handshake.tcp_between_hosts({**there, "rdma": False})
+    with dask.config.set({"distributed.comm.mpi.across-hosts": "tcp"}):
+        assert mpi_handshake.tcp_between_hosts({**there, "rdma": True})
+        assert not mpi_handshake.tcp_between_hosts(here)
+    with dask.config.set({"distributed.comm.mpi.across-hosts": "sometimes"}):
+        with pytest.raises(ValueError, match="auto, mpi or tcp, not 'sometimes'"):
+            mpi_handshake.hello()
 
 
 def test_address_helpers():

@@ -27,7 +27,12 @@ from distributed.comm.tests.mpi_processes import (
     mpiexec_command,
     wait_for_file,
 )
-from distributed.comm.tests.simulated_hosts import STATE, SimulatedHosts, skip_reason
+from distributed.comm.tests.simulated_hosts import (
+    ACROSS_HOSTS,
+    STATE,
+    SimulatedHosts,
+    skip_reason,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -162,6 +167,30 @@ def test_dask_mpi_across_hosts(simulated_hosts, tmp_path):
         report = client(hosts, a, path, 2)
     check_across_hosts(hosts, report, 2)
     assert {w["hostname"] for w in report["workers"].values()} == {b, c}
+
+
+def test_frames_between_hosts_without_rdma_travel_over_tcp(simulated_hosts, tmp_path):
+    """By default (``across-hosts: auto``), processes on hosts without an RDMA
+    network move frames between them over TCP, as MPI would (more slowly):
+    the result is right, and no MPI channel opens between the hosts"""
+    hosts = simulated_hosts(2)
+    a, b = hosts.names
+    auto = {ACROSS_HOSTS: "auto"}
+    path, log = str(tmp_path / "scheduler.json"), tmp_path / "worker.log"
+    scheduler = ["-n", "1", *SCHEDULER, "--protocol", "mpi", "--scheduler-file", path]
+    worker = ["-n", "1", *WORKER, "--no-nanny", "--scheduler-file", path]
+    with mpiexec(scheduler, prefix=on(hosts, a, **auto)) as job:
+        wait_for_file(path, job)
+        with open(log, "w") as out, mpiexec(
+            worker, prefix=on(hosts, a, **auto), stdout=out, stderr=subprocess.STDOUT
+        ), mpiexec(worker, prefix=on(hosts, b, **auto)):
+            report = client(hosts, a, path, 2)
+    assert report["right"], report
+    workers = report["workers"].values()
+    assert {w["hostname"] for w in workers} == {a, b}, report
+    for worker in workers:
+        assert worker["channels"] == [] and worker["moved"] == 0, report
+    assert "on other hosts travel over TCP" in log.read_text()
 
 
 def test_client_outside_the_job_over_tcp(simulated_hosts, tmp_path):
