@@ -139,8 +139,9 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
             await channels.open(stream, peer)
         return None
     if peer["process"] == mpi_startup.process_id():
-        channels.to_self()
-    elif mpi_startup.process_id() in peer.get("unreachable", ()):
+        if not mpi_startup.mpi_stopped():
+            channels.to_self()
+    elif mpi_startup.process_id() in peer.get("unreachable", ()) or peer.get("stopped"):
         channels.give_up_on(peer["process"])
     theirs = peer.get("chunk_size")
     if isinstance(theirs, int) and theirs > 0:
@@ -357,6 +358,9 @@ class MPI(TCP):
         def post(chunks: list) -> asyncio.Future:
             if self.closed():
                 raise CommClosedError(f"{self} is closed")
+            if mpi_startup.mpi_stopped():
+                self.abort()
+                raise CommClosedError(f"{self}: MPI is stopped in this process")
             if receive and channel.sender is not None and channel.sender.died():
                 self.abort()  # MPI may start to copy at once
                 raise CommClosedError(f"{self}: the peer process died")

@@ -60,13 +60,21 @@ from dask.utils import parse_timedelta
 from distributed.comm import mpi_handshake as handshake
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
-from distributed.comm.mpi_progress import ProgressEngine, left_in_flight
+from distributed.comm.mpi_progress import (
+    MPIStopped,
+    ProgressEngine,
+    completion_check,
+    doomed,
+    left_in_flight,
+)
 from distributed.comm.mpi_startup import (
     before_finalize,
     config,
     get_mpi,
+    mpi_stopped,
     process_id,
     skip_finalize,
+    stop_mpi,
     world,
 )
 
@@ -149,16 +157,16 @@ class Channels:
 
     def get(self, peer: str) -> Channel | None:
         """The open channel to process ``peer`` (to this process: once
-        :meth:`to_self` opened it)"""
-        return self._open.get(peer)
+        :meth:`to_self` opened it); none once MPI is stopped"""
+        return None if mpi_stopped() else self._open.get(peer)
 
     def to_others(self) -> list[Channel]:
         """The open channels to other processes"""
         return [c for c in self._open.values() if c.peer != process_id()]
 
     def by_id(self, id: int) -> Channel | None:
-        """The channel a message head names"""
-        return self._by_id.get(id)
+        """The channel a message head names; none once MPI is stopped"""
+        return None if mpi_stopped() else self._by_id.get(id)
 
     def to_self(self) -> Channel:
         """The channel of this process to itself, opened on first use"""
@@ -238,7 +246,7 @@ class Channels:
     def _free(self, channel: Channel) -> None:
         """``Free`` is safe whether the peer lives or not (``Disconnect`` would
         wait for ever on a receive left posted)"""
-        if self._by_id.pop(channel.id, None) is None:
+        if self._by_id.pop(channel.id, None) is None or mpi_stopped():
             return
         with contextlib.suppress(get_mpi().Exception):
             channel.comm.Free()
@@ -252,6 +260,8 @@ class Channels:
 
     def may_open(self, peer: dict) -> bool:
         """Whether to open a channel to the process of this hello"""
+        if mpi_stopped() or peer.get("stopped"):
+            return False
         if handshake.open_mpi_apart(peer):
             _warn_open_mpi_apart()
             return False
@@ -426,8 +436,13 @@ class _Drain:
         self.MPI = MPI
         self.channels = channels
         self.in_flight = in_flight  # (requests, buffers, sender on this host)
+        self.complete = completion_check(MPI)
 
     def run(self, quiet: float, limit: float) -> None:
+        with contextlib.suppress(MPIStopped):
+            self._run(quiet, limit)
+
+    def _run(self, quiet: float, limit: float) -> None:
         start = last = time.monotonic()
         while time.monotonic() - start < limit:
             came = False
@@ -448,13 +463,20 @@ class _Drain:
 
     def _cancel_dead(self):
         """Before each call into MPI, which may copy from any sender: cancel
-        the receives from peers that died; ``died(peer)``"""
+        the receives from peers that died; ``died(peer)``.  Raises
+        MPIStopped if one that MPI had matched is left (see
+        ``ProgressEngine.drop_dead_senders``)"""
         died = death_watch()
         for requests, _, sender in self.in_flight:
             if died(sender):
                 for request in requests:
                     with contextlib.suppress(self.MPI.Exception):
                         request.Cancel()
+                if doomed(requests, self.complete):
+                    stop_mpi(
+                        "At exit, MPI had begun to receive from a process that died"
+                    )
+                    raise MPIStopped("MPI is stopped in this process")
         self.in_flight = [x for x in self.in_flight if not died(x[2])]
         return died
 

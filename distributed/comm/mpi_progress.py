@@ -20,12 +20,17 @@ take a core from it (and from the tasks) to learn a little earlier that its
 buffers are free.
 
 Before each call into MPI the engine cancels the receives from peer processes
-on this host that died (see ``distributed.comm.mpi_liveness``).
+on this host that died (see ``distributed.comm.mpi_liveness``).  A receive
+that MPI matched already cannot be cancelled, and the next call into MPI would
+copy from the dead process and abort this one: then this process calls MPI no
+more (``mpi_startup.stop_mpi``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import math
 import weakref
 from typing import Any, ClassVar
 
@@ -34,7 +39,7 @@ from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
-from distributed.comm.mpi_startup import config, get_mpi
+from distributed.comm.mpi_startup import config, get_mpi, mpi_stopped, stop_mpi
 
 # What the engines of collected loops left in flight
 _left: list[tuple[list, Any, LocalPeer | None]] = []
@@ -42,6 +47,31 @@ _left: list[tuple[list, Any, LocalPeer | None]] = []
 
 class Stalled(CommClosedError):
     """A receive to which MPI delivered nothing for ``stall-timeout``"""
+
+
+class MPIStopped(CommClosedError):
+    """This process calls MPI no more (see ``mpi_startup.stop_mpi``)"""
+
+
+def completion_check(MPI):
+    """``complete(request)``: whether a request is complete, without a call
+    into MPI that progresses anything (MPICH's MPIX_Request_is_complete);
+    None where the MPI library has no such call"""
+    try:
+        function = ctypes.CDLL(MPI.__file__).MPIX_Request_is_complete
+    except AttributeError:
+        return None
+    function.restype = ctypes.c_int
+    int_handles = MPI._sizeof(MPI.Request) == ctypes.sizeof(ctypes.c_int)
+    function.argtypes = [ctypes.c_int if int_handles else ctypes.c_void_p]
+    return lambda request: bool(function(request.handle))
+
+
+def doomed(requests: list, complete) -> bool:
+    """Whether receives from a sender that died, which were cancelled, are
+    not all complete: MPI had matched them, and copies from the dead sender
+    in its next call (``complete``: :func:`completion_check`'s)"""
+    return complete is not None and not all(map(complete, requests))
 
 
 class _Transfer:
@@ -87,11 +117,13 @@ class ProgressEngine:
             dask.config.get("distributed.comm.timeouts.connect")
         )
         self._MPI = get_mpi()
+        self._complete = completion_check(self._MPI)
         # A proxy: the engines' dict must not keep closed loops alive
         self._loop = weakref.proxy(loop)
         self._transfers: dict[asyncio.Future, _Transfer] = {}
-        # requests of abandoned transfers: MPI may still touch their buffers
-        self._orphans: list[tuple[list, Any, float]] = []
+        # requests of abandoned transfers, their buffers (MPI may still touch
+        # them), deadline, and the sender on this host of receives
+        self._orphans: list[tuple[list, Any, float, LocalPeer | None]] = []
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
         self._delay = 0.0
@@ -121,7 +153,11 @@ class ProgressEngine:
 
     def _add(self, requests, keepalive, busy, sender, stall_after, sizes=None):
         fut = self._loop.create_future()
-        self.drop_dead_senders()  # just before MPI may start to copy
+        try:
+            self.drop_dead_senders()  # just before MPI may start to copy
+        except MPIStopped:
+            self._orphans.append((requests, keepalive, math.inf, sender))
+            raise
         statuses = [] if sizes else None
         if self._MPI.Request.Testall(requests, statuses):
             if wrong := sizes and self._wrong_size(range(len(sizes)), statuses, sizes):
@@ -137,7 +173,10 @@ class ProgressEngine:
             # call into MPI after its receive was posted, at the earliest
             # (the first matches it with the sender's rendezvous): make that
             # call now rather than an iteration of the event loop later
-            self.drop_dead_senders()
+            try:
+                self.drop_dead_senders()
+            except MPIStopped:
+                return fut  # failed, with every transfer
             if fut in self._transfers:
                 self._test(fut, entry, now)
             if fut.done():
@@ -148,12 +187,15 @@ class ProgressEngine:
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
         return fut
 
-    def orphan(self, requests: list, keepalive: Any = None) -> None:
+    def orphan(
+        self, requests: list, keepalive: Any = None, sender: LocalPeer | None = None
+    ) -> None:
         """Let ``requests`` complete in their own time, keeping ``keepalive``
-        until they do, without anyone waiting.  Those still pending after the
-        connect timeout are cancelled: nobody will match them."""
+        until they do, without anyone waiting (``sender``: of receives, on
+        this host).  Those still pending after the connect timeout are
+        cancelled: nobody will match them."""
         deadline = self._loop.time() + self.orphan_timeout
-        self._orphans.append((requests, keepalive, deadline))
+        self._orphans.append((requests, keepalive, deadline, sender))
         self.wake()
 
     def cancel(
@@ -171,12 +213,12 @@ class ProgressEngine:
             entry.busy = False  # nobody waits for it
             self._transfers[self._loop.create_future()] = entry
         elif entry is not None:
-            for request in entry.requests:
+            for request in entry.requests if mpi_stopped() is None else ():
                 try:
                     request.Cancel()
                 except self._MPI.Exception:
                     pass  # completed already, or not cancellable
-            self.orphan(entry.requests, entry.keepalive)
+            self.orphan(entry.requests, entry.keepalive, entry.sender)
         if not fut.done():
             fut.set_exception(exc)
             fut.exception()  # retrieved: a read posted ahead may never be awaited
@@ -186,7 +228,7 @@ class ProgressEngine:
         (see :meth:`orphan`)"""
         entry = self._transfers.pop(fut, None)
         if entry is not None:
-            self.orphan(entry.requests, entry.keepalive)
+            self.orphan(entry.requests, entry.keepalive, entry.sender)
 
     def pending(self) -> int:
         """How many transfers and abandoned ones are not complete"""
@@ -198,7 +240,10 @@ class ProgressEngine:
         return [
             (entry.requests, entry.keepalive, entry.sender)
             for entry in self._transfers.values()
-        ] + [(requests, keepalive, None) for requests, keepalive, _ in self._orphans]
+        ] + [
+            (requests, keepalive, sender)
+            for requests, keepalive, _, sender in self._orphans
+        ]
 
     def __del__(self, left=_left):  # bound now: at shutdown, globals are None
         # Its loop is gone, but MPI may still use the buffers: the exit drain
@@ -218,11 +263,14 @@ class ProgressEngine:
     def _poll(self) -> None:
         self._handle = None
         now = self._loop.time()
-        if self._test_transfers(now):
-            self._last_progress = now
-            self._delay = 0.0
-        if self._orphans:
-            self._test_orphans(now)
+        try:
+            if self._test_transfers(now):
+                self._last_progress = now
+                self._delay = 0.0
+            if self._orphans:
+                self._test_orphans(now)
+        except MPIStopped:
+            return  # every transfer failed; MPI keeps the orphans for good
         if not self._transfers and not self._orphans:
             return  # nothing in flight: sleep until something is posted
         if not self._transfers:
@@ -238,11 +286,37 @@ class ProgressEngine:
 
     def drop_dead_senders(self) -> None:
         """Cancel the receives from senders that died: before every call into
-        MPI, any of which may copy from any of them"""
-        died = death_watch()
-        for fut, entry in list(self._transfers.items()):
-            if died(entry.sender):
-                self.cancel(fut, CommClosedError("the peer process died"))
+        MPI, any of which may copy from any of them.  UCX cancels only a
+        receive still waiting for its message; should one that MPI matched
+        be left, MPI is stopped in this process (``mpi_startup.stop_mpi``).
+        Raises :class:`MPIStopped` (every transfer failed) once it is."""
+        if mpi_stopped() is None:
+            died = death_watch()
+            for fut, entry in list(self._transfers.items()):
+                if died(entry.sender):
+                    self.cancel(fut, CommClosedError("the peer process died"))
+            for requests, _, _, sender in self._orphans:
+                if died(sender) and doomed(requests, self._complete):
+                    stop_mpi(
+                        "MPI had begun to receive a message from a process on "
+                        "this host that died"
+                    )
+                    break
+        if mpi_stopped() is not None:
+            self._fail_all()
+            raise MPIStopped(f"MPI is stopped in this process: {mpi_stopped()}")
+
+    def _fail_all(self) -> None:
+        """Fail every transfer: MPI is stopped.  Their buffers stay with the
+        orphans, for good: MPI may hold them."""
+        for fut, entry in self._transfers.items():
+            self._orphans.append(
+                (entry.requests, entry.keepalive, math.inf, entry.sender)
+            )
+            if not fut.done():
+                fut.set_exception(MPIStopped("MPI is stopped in this process"))
+                fut.exception()  # retrieved: nobody may wait for it
+        self._transfers.clear()
 
     def _test_transfers(self, now: float) -> bool:
         # Any completed request counts as progress: frames are sent in chunks,
@@ -292,7 +366,8 @@ class ProgressEngine:
 
     def _test_orphans(self, now: float) -> None:
         pending = []
-        for requests, keepalive, deadline in self._orphans:
+        for orphan in self._orphans:
+            requests, _, deadline, _ = orphan
             self.drop_dead_senders()
             try:
                 if self._MPI.Request.Testall(requests):
@@ -302,7 +377,7 @@ class ProgressEngine:
                         request.Cancel()
             except self._MPI.Exception:
                 continue
-            pending.append((requests, keepalive, deadline))
+            pending.append(orphan)
         self._orphans = pending
 
 

@@ -37,6 +37,7 @@ _lock = threading.Lock()  # guards _init
 _process: str | None = None  # process_id(), redone after a fork
 _before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
 _skip_finalize: str | None = None  # why MPI_Finalize must not run, if it must not
+_stopped: str | None = None  # why this process calls MPI no more: see stop_mpi
 _session_dirs: set[str] = set()  # Open MPI's, left behind: see _open_mpi_session_dirs
 
 # Warn when MPI_Init waits this long for the other ranks of an mpiexec job
@@ -175,7 +176,8 @@ def _finalize(MPI) -> None:
     if MPI.Is_finalized():
         return
     for hook in _before_finalize:
-        hook(MPI)
+        if _stopped is None:  # a hook may stop it
+            hook(MPI)
     if _skip_finalize is not None:
         logger.debug("Not calling MPI_Finalize: %s", _skip_finalize)
         return
@@ -198,6 +200,30 @@ def skip_finalize(reason: str) -> None:
     MPI = get_mpi()
     if MPI.COMM_WORLD.Get_size() == 1 and MPI.Get_library_version().startswith("MPICH"):
         _skip_finalize = reason
+
+
+def stop_mpi(reason: str) -> None:
+    """Call MPI no more in this process, whose next call into MPI would abort
+    it: MPI matched a receive from a peer on this host that died, which
+    cannot be cancelled, and the next call would copy from the dead peer's
+    memory.  Comms move their data over TCP from then on; MPI_Finalize and
+    the hooks before it are left out (MPI_Finalize stays, and may abort this
+    process at exit, in a rank of a bigger job: see :func:`skip_finalize`)."""
+    global _stopped
+    if _stopped is None:
+        _stopped = reason
+        logger.warning(
+            "%s: this process calls MPI no more (its next call would copy from "
+            "the dead process, and abort it), and its comms move their data "
+            "over TCP",
+            reason,
+        )
+        skip_finalize(reason)
+
+
+def mpi_stopped() -> str | None:
+    """Why this process calls MPI no more (see :func:`stop_mpi`), if it does not"""
+    return _stopped
 
 
 def before_finalize(hook: Callable) -> None:

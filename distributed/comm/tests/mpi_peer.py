@@ -36,6 +36,15 @@ port in FILE, and its watchdog of stuck MPI calls goes off before MPI's timeout.
 ``python -m distributed.comm.tests.mpi_peer ping-astray FILE ADDRESS`` pings
 twice, with every MPI accept or connect of its own sent to the port in FILE
 instead: MPI fails to open the channel at both ends, for real.
+
+``python -m distributed.comm.tests.mpi_peer receive-from-the-dying FILE``
+accepts a connect on a port it writes to FILE, and receives a 64 MiB message
+of ones through the progress engine; once MPI has begun to copy it (with
+``UCX_CMA_SEG_SIZE`` small, a piece per call into MPI), it writes FILE.die
+and waits, calling nothing, until the sender is dead; then lets the engine
+go on, and says what became of the receive.
+``python -m distributed.comm.tests.mpi_peer send-and-die FILE`` is that sender:
+it connects, sends, writes FILE.sender, and kills itself once FILE.die exists.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import sys
+import time
 
 import numpy as np
 
@@ -55,6 +66,7 @@ from distributed.comm import (
     mpi_gpu,
     mpi_startup,
 )
+from distributed.comm.mpi_liveness import LocalPeer, beacon
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.protocol import to_serialize
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
@@ -197,6 +209,49 @@ async def ping_astray(path, address):
     await ping(address)
 
 
+async def receive_from_the_dying(path):
+    MPI = await mpi_startup.mpi_ready()
+    write(path, mpi_channel.channels.open_port())
+    with open(path) as f:
+        comm = mpi_channel.channels._meet(f.read(), accepts=True, timeout=60)
+    comm.Recv([bytearray(1), MPI.BYTE], 0, 6)
+    while not os.path.exists(path + ".sender"):
+        await asyncio.sleep(0.01)
+    with open(path + ".sender") as f:
+        sender = LocalPeer(*map(int, f.read().split()))
+    buffer = bytearray(2**26)
+    request = comm.Irecv([buffer, MPI.BYTE], 0, 7)
+    fut = ProgressEngine.current().receive([request], buffer, sender, [2**26])
+    while buffer[0] != 1:  # until MPI has begun to copy, a piece per poll
+        await asyncio.sleep(0)
+    print(f"copying, done: {fut.done()}", flush=True)
+    write(path + ".die", "")
+    while not sender.died():  # the event loop waits too: nothing calls MPI
+        time.sleep(0.001)
+    try:
+        await asyncio.wait_for(fut, 30)
+        print("received", flush=True)
+    except CommClosedError as e:
+        print(f"receive failed: {e}", flush=True)
+    print(f"MPI stopped: {mpi_startup.mpi_stopped()}", flush=True)
+
+
+async def send_and_die(path):
+    MPI = await mpi_startup.mpi_ready()
+    while not os.path.exists(path):
+        await asyncio.sleep(0.01)
+    with open(path) as f:
+        comm = mpi_channel.channels._meet(f.read(), accepts=False, timeout=60)
+    comm.Send([b"x", MPI.BYTE], 0, 6)  # UCX connects the two
+    data = np.ones(2**26, "u1")
+    request = comm.Isend([data, MPI.BYTE], 0, 7)
+    write(path + ".sender", f"{os.getpid()} {beacon()}")
+    while not os.path.exists(path + ".die"):
+        request.Test()
+        await asyncio.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def write(path, text):
     with open(path + ".tmp", "w") as f:
         f.write(text)
@@ -211,6 +266,8 @@ COMMANDS = {
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,
     "stuck-connect": stuck_connect,
+    "receive-from-the-dying": receive_from_the_dying,
+    "send-and-die": send_and_die,
 }
 
 if __name__ == "__main__":

@@ -153,6 +153,28 @@ def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(tmp_pa
     assert "UCX" not in out, out
 
 
+def test_receiver_survives_a_sender_that_died_while_mpi_copied_its_message(
+    tmp_path,
+):
+    """A sender on this host dies while MPI copies its message, piece by
+    piece, into the receiver: MPI had matched the receive, which UCX then
+    cannot cancel, and its next call would copy from the dead process and
+    abort the receiver.  The receiver calls MPI no more: the receive fails,
+    and the process lives on, and exits with 0"""
+    path = str(tmp_path / "port")
+    pieces = ["-env", "UCX_CMA_SEG_SIZE", "65536"]  # one per call into MPI
+    receiver = [*PEER[:2], *pieces, *PEER[2:], "receive-from-the-dying", path]
+    with mpiexec(receiver, **OUTPUT) as proc:
+        with mpiexec([*PEER, "send-and-die", path]):
+            out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "copying, done: False" in out, out
+    assert "receive failed: the peer process died" in out, out
+    assert "MPI stopped: MPI had begun to receive" in out, out
+    assert "calls MPI no more" in out, out
+    assert "Fatal" not in out and "process_vm_readv" not in out, out
+
+
 def test_processes_exit_without_ucx_warnings_after_frames_left_unread(tmp_path):
     """A reader that stopped reading with frames pending over MPI: at exit,
     the receiver receives and drops them, and the sender's sends complete.
