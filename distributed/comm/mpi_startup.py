@@ -5,6 +5,8 @@ MPI starts on first use of an ``mpi://`` address (:func:`start_mpi`), never on
 process goes on while ``MPI_Init`` waits (under ``mpiexec`` it returns only once
 every rank of the job has called it). It ends at exit, after the hooks given to
 :func:`before_finalize`, unless MPI_Finalize would crash (see :func:`skip_finalize`).
+A process whose next call into MPI would abort it calls MPI no more (see
+:func:`stop_mpi`).
 """
 
 from __future__ import annotations

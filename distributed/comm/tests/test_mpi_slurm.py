@@ -179,7 +179,7 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
         # Results are right, yet a survivor is gone: a limit of MPICH's UCX,
         # which gives no error handler (docs/mpi.rst, "When a worker dies").
         # The death watch runs before every call into MPI, but the worker can
-        # die within one: seen in about 1 of 3 runs of the whole suite
+        # die within one
         pytest.xfail(crash)
     assert report["survivors"] == 2, f"{report}\n{logs}"
     assert report["left_after_scale_down"] == [], report
