@@ -97,7 +97,7 @@ def hello() -> dict:
         "beacon": beacon(),
         "pid_namespace": pid_namespace(),
         "rdma": rdma(),
-        "stopped": mpi_startup.mpi_stopped() is not None,  # MPI, here for good
+        "stopped": mpi_startup.mpi_stopped() is not None,  # calls MPI no more
         "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 
