@@ -64,8 +64,8 @@ from distributed.comm.mpi_progress import (
     MPIStopped,
     ProgressEngine,
     completion_check,
-    doomed,
     left_in_flight,
+    stop_if_doomed,
 )
 from distributed.comm.mpi_startup import (
     before_finalize,
@@ -74,7 +74,6 @@ from distributed.comm.mpi_startup import (
     mpi_stopped,
     process_id,
     skip_finalize,
-    stop_mpi,
     world,
 )
 
@@ -472,10 +471,7 @@ class _Drain:
                 for request in requests:
                     with contextlib.suppress(self.MPI.Exception):
                         request.Cancel()
-                if doomed(requests, self.complete):
-                    stop_mpi(
-                        "At exit, MPI had begun to receive from a process that died"
-                    )
+                if stop_if_doomed(requests, self.complete):
                     raise MPIStopped("MPI is stopped in this process")
         self.in_flight = [x for x in self.in_flight if not died(x[2])]
         return died

@@ -168,6 +168,7 @@ def rdma() -> bool:
 
 
 def _other_host(peer: dict) -> bool:
+    """Whether the host named in the peer's process id is not this one"""
     return peer["process"].split("/", 1)[0] != socket.gethostname()
 
 
@@ -194,8 +195,7 @@ def pid_isolated(peer: dict) -> bool:
     """Whether the peer runs on this host in another PID namespace (a
     container sharing the host's name): MPICH 5.0 with UCX crashes opening a
     channel to it, so the two talk over TCP alone"""
-    host = peer["process"].split("/", 1)[0]
-    return host == socket.gethostname() and peer.get("pid_namespace") != pid_namespace()
+    return not _other_host(peer) and peer.get("pid_namespace") != pid_namespace()
 
 
 def job(peer: dict) -> str:

@@ -67,11 +67,15 @@ def completion_check(MPI):
     return lambda request: bool(function(request.handle))
 
 
-def doomed(requests: list, complete) -> bool:
-    """Whether receives from a sender that died, which were cancelled, are
-    not all complete: MPI had matched them, and copies from the dead sender
-    in its next call (``complete``: :func:`completion_check`'s)"""
-    return complete is not None and not all(map(complete, requests))
+def stop_if_doomed(requests: list, complete) -> bool:
+    """After cancelling receives from a sender on this host that died: stop
+    MPI in this process (``mpi_startup.stop_mpi``) if one is not complete,
+    since MPI had matched it, and copies from the dead sender in its next
+    call (``complete``: :func:`completion_check`'s); whether it did"""
+    if complete is None or all(map(complete, requests)):
+        return False
+    stop_mpi("MPI had begun to receive a message from a process on this host that died")
+    return True
 
 
 class _Transfer:
@@ -296,11 +300,7 @@ class ProgressEngine:
                 if died(entry.sender):
                     self.cancel(fut, CommClosedError("the peer process died"))
             for requests, _, _, sender in self._orphans:
-                if died(sender) and doomed(requests, self._complete):
-                    stop_mpi(
-                        "MPI had begun to receive a message from a process on "
-                        "this host that died"
-                    )
+                if died(sender) and stop_if_doomed(requests, self._complete):
                     break
         if mpi_stopped() is not None:
             self._fail_all()

@@ -85,10 +85,11 @@ class SimulatedHosts:
     :meth:`popen`, :attr:`fake_ssh`) run with :attr:`env`, which tells UCX
     and libfabric to use ``eth0`` (outside these namespaces they would pick
     the machine's own interfaces), and mpi:// to move data between hosts over
-    MPI: these hosts have no RDMA network, where it would not by default.  Hosts share the machine's ``/tmp``; with
-    ``own_tmpdir``, each host's processes have a ``TMPDIR`` of its own, removed
-    with the hosts.  Open MPI needs one: it names its session directories
-    there by process id alone, and ids repeat on every host and in every run.
+    MPI: these hosts have no RDMA network, where it would not by default.
+    Hosts share the machine's ``/tmp``; with ``own_tmpdir``, each host's
+    processes have a ``TMPDIR`` of its own, removed with the hosts.  Open MPI
+    needs one: it names its session directories there by process id alone,
+    and ids repeat on every host and in every run.
     """
 
     def __init__(self, n: int = 2, interfaces: int = 1, names=None, own_tmpdir=False):

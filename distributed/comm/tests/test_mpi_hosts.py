@@ -405,8 +405,8 @@ def test_jobs_of_several_ranks_on_different_hosts_shut_down_cleanly(
     of two workers on another.  Ranks of two MPICH jobs on different hosts
     move their data over TCP: the one that called MPI_Comm_connect would
     crash or warn in MPI_Finalize, which it cannot leave out (see
-    ``mpi_handshake.jobs_apart_across_hosts``).  After ``client.shutdown()`` every process
-    exits with 0, without a complaint from UCX"""
+    ``mpi_handshake.jobs_apart_across_hosts``).  After ``client.shutdown()``
+    every process exits with 0, without a complaint from UCX"""
     hosts = simulated_hosts(2)
     a, b = hosts.names
     path = str(tmp_path / "scheduler.json")
