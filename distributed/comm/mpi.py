@@ -288,11 +288,20 @@ class MPI(TCP):
                 else 2**62
             ),
         )
-        if route is None or (len(frames) == 1 and len(frames[0]) < route.inline_size):
-            return self.write_frames(frames)  # msgpack alone: most messages
-        large = _large_frames(frames, route.inline_size)
-        if not large:
+        if route is None:
             return self.write_frames(frames)
+        for frame in frames:  # no function call for the usual frames
+            if type(frame) is bytes:
+                size = len(frame)
+            elif type(frame) is memoryview:
+                size = frame.nbytes
+            else:
+                size = _size(frame)
+            if size >= route.inline_size:
+                break
+        else:
+            return self.write_frames(frames)
+        large = _large_frames(frames, route.inline_size)
         channel = channel or channels.get(route.peer["process"])
         if channel is None:
             if route.dial:
