@@ -328,7 +328,8 @@ class MPI(TCP):
         # engine keeps the frames until MPI has sent them
         sent = sum(size for _, size, _ in head.frames)
         channel.nbytes += sent
-        inline = [f for i, f in enumerate(frames) if i not in set(large)]
+        skip = set(large)
+        inline = [f for i, f in enumerate(frames) if i not in skip]
         on_device = any(where for _, _, where in head.frames)
         staged = on_device and self._route.gpu == "staged"
         if on_device:

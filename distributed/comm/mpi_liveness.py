@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
 import socket
 import sys
 
@@ -80,6 +81,12 @@ def hung_up(sock: socket.socket) -> bool:
     """Whether the process at the other end of a TCP connection closed it,
     or died, as the kernel knows before anyone reads: about a process on
     another host, the only sign there is here"""
+    # Asked before every send over MPI: poll first, which costs a tenth of
+    # the peek's raised and caught BlockingIOError when nothing came
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    if not poll.poll(0):
+        return False
     try:
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
