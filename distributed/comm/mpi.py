@@ -361,8 +361,10 @@ class MPI(TCP):
     def _poster(self, channel: Channel, tag: int, receive: bool):
         """A function that posts the transfer of some chunks of a message,
         and returns the engine's future of it"""
-        MPI, engine = get_mpi(), ProgressEngine.current()
-        self._engine = engine  # which tests the transfers: its loop's
+        # Its loop's engine tests the transfers: found once per comm, since
+        # on a message's path every lookup costs
+        engine = self._engine = self._engine or ProgressEngine.current()
+        MPI = engine.MPI
         start = channel.comm.Irecv if receive else channel.comm.Isend
 
         def post(chunks: list) -> asyncio.Future:

@@ -120,8 +120,8 @@ class ProgressEngine:
         self.orphan_timeout = parse_timedelta(
             dask.config.get("distributed.comm.timeouts.connect")
         )
-        self._MPI = get_mpi()
-        self._complete = completion_check(self._MPI)
+        self.MPI = get_mpi()
+        self._complete = completion_check(self.MPI)
         # A proxy: the engines' dict must not keep closed loops alive
         self._loop = weakref.proxy(loop)
         self._transfers: dict[asyncio.Future, _Transfer] = {}
@@ -163,7 +163,7 @@ class ProgressEngine:
             self._orphans.append((requests, keepalive, math.inf, sender))
             raise
         statuses = [] if sizes else None
-        if self._MPI.Request.Testall(requests, statuses):
+        if self.MPI.Request.Testall(requests, statuses):
             if wrong := sizes and self._wrong_size(range(len(sizes)), statuses, sizes):
                 fut.set_exception(CommClosedError(wrong))
             else:
@@ -220,7 +220,7 @@ class ProgressEngine:
             for request in entry.requests if mpi_stopped() is None else ():
                 try:
                     request.Cancel()
-                except self._MPI.Exception:
+                except self.MPI.Exception:
                     pass  # completed already, or not cancellable
             self.orphan(entry.requests, entry.keepalive, entry.sender)
         if not fut.done():
@@ -332,8 +332,8 @@ class ProgressEngine:
         """Test the requests of one transfer; whether any completed"""
         statuses = [] if entry.sizes else None
         try:
-            completed = self._MPI.Request.Testsome(entry.requests, statuses)
-        except self._MPI.Exception as e:
+            completed = self.MPI.Request.Testsome(entry.requests, statuses)
+        except self.MPI.Exception as e:
             del self._transfers[fut]
             fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
             return True
@@ -359,7 +359,7 @@ class ProgressEngine:
         """What is wrong with the receives at ``indices`` that completed with
         ``statuses``, if one got other than its size"""
         for index, status in zip(indices, statuses):
-            got = status.Get_count(self._MPI.BYTE)
+            got = status.Get_count(self.MPI.BYTE)
             if got != sizes[index]:
                 return f"MPI delivered {got} bytes to a receive of {sizes[index]}"
         return None
@@ -370,12 +370,12 @@ class ProgressEngine:
             requests, _, deadline, _ = orphan
             self.drop_dead_senders()
             try:
-                if self._MPI.Request.Testall(requests):
+                if self.MPI.Request.Testall(requests):
                     continue
                 if now > deadline:
                     for request in requests:
                         request.Cancel()
-            except self._MPI.Exception:
+            except self.MPI.Exception:
                 continue
             pending.append(orphan)
         self._orphans = pending
