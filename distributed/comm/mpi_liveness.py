@@ -84,7 +84,10 @@ def hung_up(sock: socket.socket) -> bool:
     # Asked before every send over MPI: poll first, which costs a tenth of
     # the peek's raised and caught BlockingIOError when nothing came
     poll = select.poll()
-    poll.register(sock, select.POLLIN)
+    try:
+        poll.register(sock, select.POLLIN)
+    except ValueError:  # closed at this end already
+        return True
     if not poll.poll(0):
         return False
     try:

@@ -37,7 +37,7 @@ from distributed.comm import mpi_handshake, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
-from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
+from distributed.comm.mpi_liveness import LocalPeer, hung_up, pid_namespace
 from distributed.comm.registry import backends
 from distributed.comm.utils import to_frames
 from distributed.core import Server, rpc
@@ -299,6 +299,26 @@ async def test_no_frame_is_sent_over_mpi_to_a_peer_that_hung_up():
         with pytest.raises(CommClosedError, match="closed the connection"):
             await comm.write(to_serialize(np.ones(2**21, "u1")))  # over MPI
         assert comm.closed()
+
+
+def test_hung_up_tells_whether_the_peer_closed_the_connection():
+    """Asked before every send over MPI: not while the peer is connected,
+    with data waiting or not; yes once it closed its end, or this end did"""
+    import select
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        here = socket.create_connection(server.getsockname())
+        there, _ = server.accept()
+        with here, there:
+            assert not hung_up(here)
+            there.sendall(b"x")
+            assert select.select([here], [], [], 5)[0]
+            assert not hung_up(here)
+            assert here.recv(1) == b"x"
+            there.close()
+            assert select.select([here], [], [], 5)[0]
+            assert hung_up(here)
+        assert hung_up(here)
 
 
 @gen_test()
