@@ -10,6 +10,7 @@ import gc
 import json
 import socket
 import os
+import select
 import subprocess
 import sys
 import time
@@ -304,8 +305,6 @@ async def test_no_frame_is_sent_over_mpi_to_a_peer_that_hung_up():
 def test_hung_up_tells_whether_the_peer_closed_the_connection():
     """Asked before every send over MPI: not while the peer is connected,
     with data waiting or not; yes once it closed its end, or this end did"""
-    import select
-
     with socket.create_server(("127.0.0.1", 0)) as server:
         here = socket.create_connection(server.getsockname())
         there, _ = server.accept()
