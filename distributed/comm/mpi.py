@@ -3,7 +3,8 @@
 An ``mpi://HOST:PORT`` address is a TCP listener, and every comm is a TCP
 connection that carries each message's head, and its small frames whole, as
 ``tcp://`` does: the kernel wakes the reader when a message arrives, and
-nothing polls MPI while no data moves.  Frames of at least ``inline-size``
+nothing polls MPI while no data moves.  Between processes of one host (and
+user), the comm is a Unix socket instead, which takes less time and CPU.  Frames of at least ``inline-size``
 travel over an MPI channel between the two processes (see
 ``distributed.comm.mpi_channel``) in ``chunk-size`` pieces: the writer posts
 their sends as it writes the head, and the reader posts the receives as soon
@@ -25,22 +26,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import struct
+import sys
 import weakref
 from typing import NamedTuple
 
 import dask
 from dask.utils import parse_bytes, parse_timedelta
-from tornado.iostream import StreamClosedError
+from tornado.iostream import IOStream, StreamClosedError
+from tornado.tcpserver import TCPServer
 
 from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
-from distributed.comm.addressing import get_address_host
+from distributed.comm.addressing import (
+    get_address_host,
+    parse_host_port,
+    unparse_host_port,
+)
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.tcp import (
+    MAX_BUFFER_SIZE,
     TCP,
     BaseTCPBackend,
     TCPConnector,
@@ -491,13 +501,51 @@ def _chunks(frame, size: int) -> list:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
 
+def _local_name(address: str) -> str:
+    """The Unix socket of the mpi:// listener at ``address`` (host:port), in
+    Linux's abstract namespace: a network namespace's own, so a name found is
+    a listener on this host"""
+    return "\0distributed-mpi:" + address
+
+
+def _connect_locally(address: str) -> IOStream | None:
+    """A stream to the listener at ``address`` over its Unix socket, if it is
+    on this host and runs as this user; else None"""
+    if not sys.platform.startswith("linux"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        # Completes at once, or fails: no such listener, or its backlog is full
+        sock.connect(_local_name(address))
+        _, uid, _ = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        )
+        if uid != os.getuid():
+            raise PermissionError("the listener runs as another user")
+    except OSError:
+        sock.close()
+        return None
+    return IOStream(sock, max_buffer_size=MAX_BUFFER_SIZE)
+
+
 class MPIConnector(TCPConnector):
+    """Connects over TCP, or over a Unix socket to a listener on this host
+    (it takes less time, and CPU, to deliver a message: ~5 % of a round trip)"""
+
     prefix = "mpi://"
     comm_class = MPI
 
     async def connect(self, address, deserialize=True, **connection_args):
         mpi_startup.start_mpi()  # MPI starts with the first mpi:// connection
-        comm = await super().connect(address, deserialize, **connection_args)
+        self._check_encryption(address, connection_args)
+        stream = _connect_locally(address)
+        if stream is not None:
+            # A Unix socket has no address: this host's, with no port
+            local = self.prefix + unparse_host_port(parse_host_port(address)[0], 0)
+            comm = self.comm_class(stream, local, self.prefix + address, deserialize)
+        else:
+            comm = await super().connect(address, deserialize, **connection_args)
         try:
             comm._route = await _handshake(comm.stream, dial=address)
         except StreamClosedError as e:
@@ -512,12 +560,59 @@ class MPIConnector(TCPConnector):
 class MPIListener(TCPListener):
     prefix = "mpi://"
     comm_class = MPI
+    _local_server: TCPServer | None = None  # its Unix socket's
 
     async def start(self):
         mpi_startup.start_mpi()  # ... or listener, without waiting for it
         # From the handshake of a stream to its comm
         self._routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         await super().start()
+        self._local_server = self._serve_locally()
+
+    def _serve_locally(self) -> TCPServer | None:
+        """Listen on a Unix socket too, for connections from this host"""
+        if not sys.platform.startswith("linux"):
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(_local_name(self.contact_address[len(self.prefix) :]))
+            sock.listen(int(dask.config.get("distributed.comm.socket-backlog")))
+        except OSError as e:  # a listener of this address in another process
+            logger.debug("%s listens on TCP only: %s", self.contact_address, e)
+            sock.close()
+            return None
+        sock.setblocking(False)
+        server = TCPServer(max_buffer_size=MAX_BUFFER_SIZE)
+        server.handle_stream = self._handle_local_stream
+        server.add_sockets([sock])
+        return server
+
+    def stop(self):
+        server, self._local_server = self._local_server, None
+        if server is not None:
+            server.stop()
+        super().stop()
+
+    async def _handle_local_stream(self, stream, _):
+        """As ``_handle_stream`` does for TCP, with this host's address for
+        the peer, which a Unix socket does not have"""
+        peer = self.prefix + unparse_host_port(
+            get_address_host(self.contact_address), 0
+        )
+        stream = await self._prepare_stream(stream, peer)
+        if stream is None:
+            return
+        if self.tcp_server is None:  # stopped meanwhile
+            stream.close()
+            return
+        comm = self.comm_class(stream, self.contact_address, peer, self.deserialize)
+        comm.allow_offload = self.allow_offload
+        try:
+            await self.on_connection(comm)
+        except CommClosedError:
+            logger.info("Connection from %s closed before handshake completed", peer)
+            return
+        await self.comm_handler(comm)
 
     async def _prepare_stream(self, stream, address):
         """The mpi:// handshake, before the comm exists"""

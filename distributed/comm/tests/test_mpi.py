@@ -233,6 +233,73 @@ async def test_client_server_round_trips():
 
 
 @gen_test()
+async def test_comms_on_one_host_use_the_listeners_unix_socket():
+    accepted = []
+
+    async def accept(comm):
+        accepted.append(comm)
+        await echo(comm)
+
+    with captured_logger("distributed.comm.tcp") as log:
+        async with listen("mpi://127.0.0.1:0", accept) as listener:
+            host, port = get_address_host_port(listener.contact_address)
+            local = await connect(listener.contact_address)
+            # Another name of the listener: no Unix socket has it, so TCP
+            other = await connect(f"mpi://localhost:{port}")
+            for comm, family in [(local, socket.AF_UNIX), (other, socket.AF_INET)]:
+                assert comm.stream.socket.family == family
+                assert comm.same_host
+                assert comm.peer_address.startswith("mpi://")
+                for msg in [{"op": "ping"}, {"x": to_serialize(np.arange(300_000))}]:
+                    await comm.write(msg)
+                    got = await comm.read()
+                    assert got.keys() == msg.keys()
+                assert (got["x"] == np.arange(300_000)).all()
+                assert comm.channel is not None  # the array went over MPI
+            assert accepted[0].stream.socket.family == socket.AF_UNIX
+            assert accepted[0].local_address == listener.contact_address
+            assert accepted[0].peer_address == f"mpi://{host}:0"
+            assert local.local_address == f"mpi://{host}:0"
+            await local.close()
+            await other.close()
+        # Its Unix socket closed with the listener
+        with socket.socket(socket.AF_UNIX) as sock, pytest.raises(OSError):
+            sock.connect(f"\0distributed-mpi:{host}:{port}")
+    assert not log.getvalue()  # no keepalive asked of a Unix socket
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run as another user")
+@gen_test()
+async def test_a_unix_socket_of_another_user_is_not_used():
+    """Another user's process holds the Unix socket's name first: the listener
+    takes TCP only, and connectors do not talk to that process"""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    squatter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, socket, sys, time; os.setuid(65534); "
+            "s = socket.socket(socket.AF_UNIX); s.bind('\\0' + sys.argv[1]); s.listen(); "
+            "print('listening', flush=True); time.sleep(60)",
+            f"distributed-mpi:127.0.0.1:{port}",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert squatter.stdout.readline() == b"listening\n"
+        async with echoing(f"mpi://127.0.0.1:{port}") as comm:
+            assert comm.stream.socket.family == socket.AF_INET
+            await comm.write({"op": "ping"})
+            assert await comm.read() == {"op": "ping"}
+    finally:
+        squatter.kill()
+        squatter.wait()
+        squatter.stdout.close()
+
+
+@gen_test()
 async def test_many_messages_in_flight_keep_order():
     async with echoing("mpi://") as comm:
         for i in range(200):
