@@ -501,6 +501,13 @@ def _chunks(frame, size: int) -> list:
     return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
 
 
+def _widen(sock: socket.socket) -> None:
+    """Let a Unix socket hold as much as TCP's does by default (4 MiB): with
+    Linux's default of 208 KiB, a message of 500 KB took 1.2-1.6x as long as
+    over TCP.  Linux caps it at ``net.core.wmem_max``."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 2**20)
+
+
 def _local_name(address: str) -> str:
     """The Unix socket of the mpi:// listener at ``address`` (host:port), in
     Linux's abstract namespace: a network namespace's own, so a name found is
@@ -523,6 +530,7 @@ def _connect_locally(address: str) -> IOStream | None:
         )
         if uid != os.getuid():
             raise PermissionError("the listener runs as another user")
+        _widen(sock)
     except OSError:
         sock.close()
         return None
@@ -599,6 +607,7 @@ class MPIListener(TCPListener):
         peer = self.prefix + unparse_host_port(
             get_address_host(self.contact_address), 0
         )
+        _widen(stream.socket)
         stream = await self._prepare_stream(stream, peer)
         if stream is None:
             return

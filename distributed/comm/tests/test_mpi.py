@@ -257,6 +257,11 @@ async def test_comms_on_one_host_use_the_listeners_unix_socket():
                 assert (got["x"] == np.arange(300_000)).all()
                 assert comm.channel is not None  # the array went over MPI
             assert accepted[0].stream.socket.family == socket.AF_UNIX
+            # Room for as much as TCP holds, as far as Linux allows
+            with open("/proc/sys/net/core/wmem_max") as f:
+                room = 2 * min(int(f.read()), 4 * 2**20)  # Linux doubles it
+            for sock in [local.stream.socket, accepted[0].stream.socket]:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == room
             assert accepted[0].local_address == listener.contact_address
             assert accepted[0].peer_address == f"mpi://{host}:0"
             assert local.local_address == f"mpi://{host}:0"
