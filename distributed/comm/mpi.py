@@ -1,11 +1,11 @@
 """The ``mpi://`` transport: Dask comms whose large frames travel over MPI.
 
 An ``mpi://HOST:PORT`` address is a TCP listener, and every comm is a TCP
-connection that carries each message's head, and its small frames whole, as
-``tcp://`` does: the kernel wakes the reader when a message arrives, and
-nothing polls MPI while no data moves.  Between processes of one host (and
-user), the comm is a Unix socket instead, which takes less time and CPU.  Frames of at least ``inline-size``
-travel over an MPI channel between the two processes (see
+connection (between processes of one host and user, a Unix socket, which
+delivers sooner and takes less CPU) that carries each message's head, and its
+small frames whole, as ``tcp://`` does: the kernel wakes the reader when a
+message arrives, and nothing polls MPI while no data moves.  Frames of at least
+``inline-size`` travel over an MPI channel between the two processes (see
 ``distributed.comm.mpi_channel``) in ``chunk-size`` pieces: the writer posts
 their sends as it writes the head, and the reader posts the receives as soon
 as it reads it, into buffers of the right size (the rendezvous of UCX and
