@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import re
+import socket
 import subprocess
 import sys
 
@@ -45,6 +46,8 @@ def server(tmp_path):
 async def test_round_trips_with_an_mpiexec_process(server):
     address, _ = server
     comm = await connect(address)
+    # A process of this host: the listener's Unix socket
+    assert comm.stream.socket.family == socket.AF_UNIX
     for msg in [{"op": "ping"}, b"x" * 100_000, tuple(range(100))]:
         await comm.write(msg)
         assert await comm.read() == msg
@@ -52,6 +55,7 @@ async def test_round_trips_with_an_mpiexec_process(server):
         array = np.random.randint(0, 100, size)
         await comm.write({"x": to_serialize(array)})
         np.testing.assert_array_equal((await comm.read())["x"], array)
+    assert comm.channel is not None  # the large arrays went over MPI
     await comm.close()
 
 
