@@ -49,9 +49,9 @@ PROTOCOL``) with a timeout, so that MPI started in one run cannot touch the
 next one; the whole process group is killed after each run, and processes
 left over are reported. Writes ``workloads.json`` (``workloads[mode][name]``:
 per protocol the median ``seconds``, all ``times``, ``bytes_moved``,
-``cpu_seconds``, ``over_mpi_bytes``, and ``mpi/tcp``; ``runs``: each cluster's
-own figures, start-up time, mpiexec's exit status, leftovers) and
-``workloads.png``.
+``cpu_seconds``, ``over_mpi_bytes``; ``mpi/tcp`` and ``mpi/tcp 95%``, a
+bootstrap interval of it; ``runs``: each cluster's own figures, start-up time,
+mpiexec's exit status, leftovers) and ``workloads.png``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -489,19 +490,38 @@ def summarize(results: dict, names: list[str]) -> None:
                     row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
             if "tcp://" in row and "mpi://" in row:
                 row["mpi/tcp"] = row["mpi://"]["seconds"] / row["tcp://"]["seconds"]
+                row["mpi/tcp 95%"] = ratio_interval(
+                    row["mpi://"]["times"], row["tcp://"]["times"]
+                )
             table[name] = row
+
+
+def ratio_interval(mpi: list, tcp: list, draws: int = 2000) -> list[float]:
+    """A 95 % bootstrap interval of the ratio of the medians: how far apart
+    the two transports may really be, given the spread of the runs"""
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(mpi, k=len(mpi)))
+        / statistics.median(rng.choices(tcp, k=len(tcp)))
+        for _ in range(draws)
+    )
+    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
 
 
 def print_table(results: dict) -> None:
     print(
         f"{'workload':17s} {'mode':12s} {'tcp s':>8s} {'mpi s':>8s} {'mpi/tcp':>8s}"
-        f" {'moved MiB':>10s} {'over MPI MiB':>13s}"
+        f" {'95 % interval':>13s} {'moved MiB':>10s} {'over MPI MiB':>13s}"
     )
     for mode, table in results["workloads"].items():
         for name, row in table.items():
             tcp, mpi = row.get("tcp://"), row.get("mpi://")
             cell = lambda r: f"{r['seconds']:8.3f}" if r else f"{'-':>8s}"  # noqa: E731
             ratio = f"{row['mpi/tcp']:8.2f}" if "mpi/tcp" in row else f"{'-':>8s}"
+            if "mpi/tcp 95%" in row:
+                ratio += "{:>14s}".format("%.2f-%.2f" % tuple(row["mpi/tcp 95%"]))
+            else:
+                ratio += f"{'-':>14s}"
             moved = (mpi or tcp or {}).get("bytes_moved")
             moved = f"{moved / 2**20:10.1f}" if moved is not None else f"{'-':>10s}"
             over = (mpi or {}).get("over_mpi_bytes")
