@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from distributed.comm import get_address_host, mpi_channel
 from distributed.utils import open_port
 from distributed.utils_test import gen_test
 from distributed.comm.tests.mpi_processes import (
+    channels_to_others,
     known_mpi_crash,
     moved_over_mpi,
     mpiexec,
@@ -68,9 +70,32 @@ def transfers(client) -> dict[str, int]:
     )
 
 
-def wait_for_transfers(client) -> None:
-    """Until data moves between workers"""
-    while transfers(client) == dict.fromkeys(client.scheduler_info()["workers"], 0):
+def open_channels(client, timeout: float = 60) -> None:
+    """Move an array of 2 MiB (over MPI: ``inline-size`` is 1 MiB) between
+    every two workers until each has an MPI channel to every other one"""
+    workers = sorted(client.scheduler_info()["workers"])
+    deadline = time.monotonic() + timeout
+    while min(client.run(channels_to_others).values()) < len(workers) - 1:
+        assert time.monotonic() < deadline, "no MPI channels between the workers"
+        sums = [
+            client.submit(
+                np.sum,
+                client.submit(np.ones, 2**18, workers=[a], pure=False),
+                workers=[b],
+                allow_other_workers=False,
+            )
+            for a, b in itertools.permutations(workers, 2)
+        ]
+        assert client.gather(sums) == [2**18] * len(sums)
+        time.sleep(0.05)
+
+
+def wait_for_frames_over_mpi(client, timeout: float = 60) -> None:
+    """Until workers move more bytes over MPI than they had"""
+    before = sum(client.run(moved_over_mpi).values())
+    deadline = time.monotonic() + timeout
+    while sum(client.run(moved_over_mpi).values()) == before:
+        assert time.monotonic() < deadline, "no frame moved over MPI"
         time.sleep(0.01)
 
 
@@ -236,11 +261,13 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         wait_for_file(scheduler_file, sched)
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
-            x = da.random.RandomState(3).random((3000, 3000), chunks=(300, 300))
+            open_channels(client)
+            # Chunks of 2.9 MB: over MPI
+            x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
             graph = (x + x.T).sum()
             expected = graph.compute(scheduler="sync")
             future = client.compute(graph)
-            wait_for_transfers(client)
+            wait_for_frames_over_mpi(client)
             victim.crash()
             assert np.isclose(future.result(timeout=60), expected)
             survivors = len(client.scheduler_info()["workers"])
@@ -263,11 +290,12 @@ def test_killed_worker_process_in_one_job(tmp_path):
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             victim = next(iter(client.run(os.getpid).values()))
-            x = da.random.RandomState(3).random((3000, 3000), chunks=(300, 300))
+            open_channels(client)
+            x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
             graph = (x + x.T).sum()
             expected = graph.compute(scheduler="sync")
             future = client.compute(graph)
-            wait_for_transfers(client)
+            wait_for_frames_over_mpi(client)
             os.kill(victim, signal.SIGKILL)
             assert np.isclose(future.result(timeout=60), expected)
             client.wait_for_workers(3, timeout=60)

@@ -124,6 +124,14 @@ def moved_over_mpi() -> int:
     return sum(channel.nbytes for channel in channels.to_others())
 
 
+def channels_to_others() -> int:
+    """How many MPI channels to other processes this process has open (for
+    ``client.run``)"""
+    from distributed.comm.mpi_channel import channels
+
+    return len(channels.to_others())
+
+
 def known_mpi_crash(output: str) -> str | None:
     """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
     those it has when a peer dies just after mpi://'s last check that it
