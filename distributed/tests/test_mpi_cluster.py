@@ -90,9 +90,8 @@ def open_channels(client, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def wait_for_frames_over_mpi(client, timeout: float = 60) -> None:
-    """Until workers move more bytes over MPI than they had"""
-    before = sum(client.run(moved_over_mpi).values())
+def wait_for_frames_over_mpi(client, before: int, timeout: float = 60) -> None:
+    """Until workers have moved more than ``before`` bytes over MPI"""
     deadline = time.monotonic() + timeout
     while sum(client.run(moved_over_mpi).values()) == before:
         assert time.monotonic() < deadline, "no frame moved over MPI"
@@ -266,8 +265,9 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
             x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
             graph = (x + x.T).sum()
             expected = graph.compute(scheduler="sync")
+            before = sum(client.run(moved_over_mpi).values())
             future = client.compute(graph)
-            wait_for_frames_over_mpi(client)
+            wait_for_frames_over_mpi(client, before)
             victim.crash()
             assert np.isclose(future.result(timeout=60), expected)
             survivors = len(client.scheduler_info()["workers"])
@@ -291,11 +291,13 @@ def test_killed_worker_process_in_one_job(tmp_path):
             client.wait_for_workers(3, timeout=60)
             victim = next(iter(client.run(os.getpid).values()))
             open_channels(client)
+            # Chunks of 2.9 MB: over MPI
             x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
             graph = (x + x.T).sum()
             expected = graph.compute(scheduler="sync")
+            before = sum(client.run(moved_over_mpi).values())
             future = client.compute(graph)
-            wait_for_frames_over_mpi(client)
+            wait_for_frames_over_mpi(client, before)
             os.kill(victim, signal.SIGKILL)
             assert np.isclose(future.result(timeout=60), expected)
             client.wait_for_workers(3, timeout=60)
