@@ -63,6 +63,18 @@ def assert_moves_data(client) -> None:
     assert sum(transfers(client).values()) > 0, "no data moved between workers"
 
 
+def scheduler_address(scheduler_file: str, job, timeout: float = 60) -> str:
+    """The address in a scheduler file: the file exists a moment before the
+    scheduler has written it (as ``Client(scheduler_file=...)`` knows)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(wait_for_file(scheduler_file, job))["address"]
+        except json.JSONDecodeError:
+            assert time.monotonic() < deadline, f"{scheduler_file} stays incomplete"
+            time.sleep(0.01)
+
+
 def transfers(client) -> dict[str, int]:
     """How many transfers each worker received from other workers"""
     return client.run(
@@ -312,9 +324,7 @@ def test_scheduler_on_mpi_and_tcp(tmp_path):
     scheduler[scheduler.index("--protocol") + 1] = "mpi,tcp"
     scheduler[scheduler.index("--port") + 1] = f"{open_port()},{(tcp := open_port())}"
     with mpiexec(["-n", "1", *scheduler, ":", "-n", "2", *worker]) as job:
-        host = get_address_host(
-            json.loads(wait_for_file(scheduler_file, job))["address"]
-        )
+        host = get_address_host(scheduler_address(scheduler_file, job))
         with Client(f"tcp://{host}:{tcp}", timeout=60) as client:
             client.wait_for_workers(2, timeout=60)
             assert all(
