@@ -24,8 +24,8 @@ VM's wake-up latency), which no number of samples removes. A third series,
 far from 1.0 the method itself lands. The figure per gap is the median of all
 round trips of all rounds (``per_round`` holds each round's median). Writes
 ``pauses.json`` (``round_trip``: receiver idle, ``round_trip_busy``: receiver
-busy, ``round_trip_control``: tcp:// twice; seconds, by gap in seconds) and
-``pauses.png``.
+busy, ``round_trip_control``: tcp:// twice; seconds, by gap in seconds;
+``intervals``: a 95 % bootstrap interval of each ratio) and ``pauses.png``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import time
 
 import pingpong
 from processes import launch, stop, wait_for_file
+from stats import ratio_interval
 
 HERE = os.path.abspath(__file__)
 GAPS = [0, 0.0005, 0.002, 0.005, 0.03, 0.1]  # seconds
@@ -213,6 +214,19 @@ def main() -> None:
             }
             for protocol, rounds in per_round[series].items()
         }
+    # How far b/a may really be from its median's ratio, per gap
+    results["intervals"] = {
+        key: {
+            str(g): ratio_interval(
+                *(
+                    [t for r in rounds for t in r[str(g)]]
+                    for rounds in reversed(per_round[series].values())
+                )
+            )
+            for g in GAPS
+        }
+        for series, key in SERIES.items()
+    }
     results["per_round"] = {
         series: {
             protocol: [{g: statistics.median(t) for g, t in r.items()} for r in rounds]
@@ -227,13 +241,15 @@ def main() -> None:
 
 
 def summarize(results: dict) -> None:
-    print("series    gap (ms)     a (us)     b (us)       b/a")
+    print("series    gap (ms)     a (us)     b (us)       b/a  95 % interval")
     for series, key in SERIES.items():
         a, b = results[key].values()  # tcp://, then mpi:// (control: tcp://)
         for gap in a:
+            low, high = results["intervals"][key][gap]
             print(
                 f"{series:8s} {float(gap) * 1e3:9g} {a[gap] * 1e6:10.0f}"
                 f" {b[gap] * 1e6:10.0f} {b[gap] / a[gap]:9.2f}"
+                f"      {low:.2f}-{high:.2f}"
             )
 
 

@@ -67,6 +67,17 @@ def interval_of_worst(wl: dict, ratios: dict) -> str:
     return ", 95 % interval {:.2f}-{:.2f}".format(*low_high) if low_high else ""
 
 
+def pause_interval(pauses: dict, key: str, ratios: dict) -> str:
+    """The bootstrap interval at the gap with the highest mpi/tcp"""
+    intervals = pauses.get("intervals", {}).get(key)
+    if not intervals:
+        return ""
+    by_label = {f"{float(g) * 1e3:g} ms": i for g, i in intervals.items()}
+    return ", 95 % interval {:.2f}-{:.2f}".format(
+        *by_label[max(ratios, key=ratios.get)]
+    )
+
+
 def worst(ratios: dict) -> str:
     key = max(ratios, key=ratios.get)
     name = " ".join(key) if isinstance(key, tuple) else key
@@ -101,7 +112,7 @@ def targets(
                 ratios = pause_ratios(pauses, key)
                 met = all(r <= 1.0 for r in ratios.values())
                 lines.append(
-                    f"| pauses, receiver {who}: mpi/tcp <= 1.0 at every gap | {worst(ratios)} | {'yes' if met else 'no'} |"
+                    f"| pauses, receiver {who}: mpi/tcp <= 1.0 at every gap | {worst(ratios)}{pause_interval(pauses, key, ratios)} | {'yes' if met else 'no'} |"
                 )
     if pp:
         t = pp["transports"]

@@ -60,13 +60,14 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from stats import ratio_interval
 
 HERE = os.path.abspath(__file__)
 MODES = ["LocalCluster", "mpiexec"]
@@ -494,18 +495,6 @@ def summarize(results: dict, names: list[str]) -> None:
                     row["mpi://"]["times"], row["tcp://"]["times"]
                 )
             table[name] = row
-
-
-def ratio_interval(mpi: list, tcp: list, draws: int = 2000) -> list[float]:
-    """A 95 % bootstrap interval of the ratio of the medians: how far apart
-    the two transports may really be, given the spread of the runs"""
-    rng = random.Random(0)
-    ratios = sorted(
-        statistics.median(rng.choices(mpi, k=len(mpi)))
-        / statistics.median(rng.choices(tcp, k=len(tcp)))
-        for _ in range(draws)
-    )
-    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
 
 
 def print_table(results: dict) -> None:

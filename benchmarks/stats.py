@@ -1,0 +1,17 @@
+"""How far apart two transports may really be, given the spread of the runs."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+
+def ratio_interval(b: list, a: list, draws: int = 2000) -> list[float]:
+    """A 95 % bootstrap interval of median(b) / median(a)"""
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(b, k=len(b)))
+        / statistics.median(rng.choices(a, k=len(a)))
+        for _ in range(draws)
+    )
+    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
