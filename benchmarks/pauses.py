@@ -206,27 +206,19 @@ def main() -> None:
             times = run_series(protocols, args.quick, busy=series == "busy")
             for label, t in zip(labels, times):
                 per_round[series].setdefault(label, []).append(t)
+    results["intervals"] = {}
     for series, key in SERIES.items():
-        results[key] = {
-            protocol: {
-                str(g): statistics.median(t for r in rounds for t in r[str(g)])
-                for g in GAPS
-            }
+        # Every round trip of every round, by protocol and gap
+        pooled = {
+            protocol: {str(g): [t for r in rounds for t in r[str(g)]] for g in GAPS}
             for protocol, rounds in per_round[series].items()
         }
-    # How far b/a may really be from its median's ratio, per gap
-    results["intervals"] = {
-        key: {
-            str(g): ratio_interval(
-                *(
-                    [t for r in rounds for t in r[str(g)]]
-                    for rounds in reversed(per_round[series].values())
-                )
-            )
-            for g in GAPS
+        results[key] = {
+            protocol: {g: statistics.median(t) for g, t in by_gap.items()}
+            for protocol, by_gap in pooled.items()
         }
-        for series, key in SERIES.items()
-    }
+        a, b = pooled.values()  # tcp://, then mpi:// (control: tcp://)
+        results["intervals"][key] = {g: ratio_interval(b[g], a[g]) for g in a}
     results["per_round"] = {
         series: {
             protocol: [{g: statistics.median(t) for g, t in r.items()} for r in rounds]

@@ -54,33 +54,35 @@ def workload_ratios(wl: dict) -> dict[tuple[str, str], float]:
     }
 
 
+def workload_intervals(wl: dict) -> dict[tuple[str, str], list[float]]:
+    """The 95 % interval of each (mode, workload)'s mpi/tcp, where measured"""
+    return {
+        (mode, name): row["mpi/tcp 95%"]
+        for mode, table in wl["workloads"].items()
+        for name, row in table.items()
+        if "mpi/tcp 95%" in row
+    }
+
+
+def pause_intervals(pauses: dict, key: str) -> dict[str, list[float]]:
+    """The 95 % interval of mpi/tcp by gap, labelled as :func:`pause_ratios`"""
+    intervals = pauses.get("intervals", {}).get(key, {})
+    return {f"{float(g) * 1e3:g} ms": i for g, i in intervals.items()}
+
+
 def pause_ratios(pauses: dict, key: str) -> dict[str, float]:
     """mpi/tcp by gap (ms) of ``round_trip`` or ``round_trip_busy``"""
     tcp, mpi = pauses[key]["tcp://"], pauses[key]["mpi://"]
     return {f"{float(g) * 1e3:g} ms": mpi[g] / tcp[g] for g in tcp}
 
 
-def interval_of_worst(wl: dict, ratios: dict) -> str:
-    """The bootstrap interval of the workload with the highest mpi/tcp"""
-    mode, name = max(ratios, key=ratios.get)
-    low_high = wl["workloads"][mode][name].get("mpi/tcp 95%")
-    return ", 95 % interval {:.2f}-{:.2f}".format(*low_high) if low_high else ""
-
-
-def pause_interval(pauses: dict, key: str, ratios: dict) -> str:
-    """The bootstrap interval at the gap with the highest mpi/tcp"""
-    intervals = pauses.get("intervals", {}).get(key)
-    if not intervals:
-        return ""
-    by_label = {f"{float(g) * 1e3:g} ms": i for g, i in intervals.items()}
-    return ", 95 % interval {:.2f}-{:.2f}".format(
-        *by_label[max(ratios, key=ratios.get)]
-    )
-
-
-def worst(ratios: dict) -> str:
+def worst(ratios: dict, intervals: dict | None = None) -> str:
+    """The highest ratio, and its 95 % interval where ``intervals`` has one"""
     key = max(ratios, key=ratios.get)
     name = " ".join(key) if isinstance(key, tuple) else key
+    interval = (intervals or {}).get(key)
+    if interval:
+        name += ", 95 % interval {:.2f}-{:.2f}".format(*interval)
     return f"worst {ratios[key]:.2f} ({name})"
 
 
@@ -99,7 +101,7 @@ def targets(
         if others:
             met = all(r <= 1.0 for r in others.values())
             lines.append(
-                f"| real workloads: mpi/tcp <= 1.0, LocalCluster and one mpiexec job | {worst(others)}{interval_of_worst(wl, others)} | {'yes' if met else 'no'} |"
+                f"| real workloads: mpi/tcp <= 1.0, LocalCluster and one mpiexec job | {worst(others, workload_intervals(wl))} | {'yes' if met else 'no'} |"
             )
         if heavy:
             met = all(r <= 0.8 for r in heavy.values())
@@ -112,7 +114,7 @@ def targets(
                 ratios = pause_ratios(pauses, key)
                 met = all(r <= 1.0 for r in ratios.values())
                 lines.append(
-                    f"| pauses, receiver {who}: mpi/tcp <= 1.0 at every gap | {worst(ratios)}{pause_interval(pauses, key, ratios)} | {'yes' if met else 'no'} |"
+                    f"| pauses, receiver {who}: mpi/tcp <= 1.0 at every gap | {worst(ratios, pause_intervals(pauses, key))} | {'yes' if met else 'no'} |"
                 )
     if pp:
         t = pp["transports"]
