@@ -102,12 +102,20 @@ def open_channels(client, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def wait_for_frames_over_mpi(client, before: int, timeout: float = 60) -> None:
-    """Until workers have moved more than ``before`` bytes over MPI"""
+def compute_while_frames_move_over_mpi(client, timeout: float = 60):
+    """Start a graph whose chunks (2.9 MB) go over MPI, on channels opened
+    first; return once its frames move: its future and the right result"""
+    open_channels(client)
+    x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
+    graph = (x + x.T).sum()
+    expected = graph.compute(scheduler="sync")
+    before = sum(client.run(moved_over_mpi).values())
+    future = client.compute(graph)
     deadline = time.monotonic() + timeout
     while sum(client.run(moved_over_mpi).values()) == before:
         assert time.monotonic() < deadline, "no frame moved over MPI"
         time.sleep(0.01)
+    return future, expected
 
 
 def wait_for_worker_count(client, n: int, why: str) -> None:
@@ -272,14 +280,7 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         wait_for_file(scheduler_file, sched)
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
-            open_channels(client)
-            # Chunks of 2.9 MB: over MPI
-            x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
-            graph = (x + x.T).sum()
-            expected = graph.compute(scheduler="sync")
-            before = sum(client.run(moved_over_mpi).values())
-            future = client.compute(graph)
-            wait_for_frames_over_mpi(client, before)
+            future, expected = compute_while_frames_move_over_mpi(client)
             victim.crash()
             assert np.isclose(future.result(timeout=60), expected)
             survivors = len(client.scheduler_info()["workers"])
@@ -302,14 +303,7 @@ def test_killed_worker_process_in_one_job(tmp_path):
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             victim = next(iter(client.run(os.getpid).values()))
-            open_channels(client)
-            # Chunks of 2.9 MB: over MPI
-            x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
-            graph = (x + x.T).sum()
-            expected = graph.compute(scheduler="sync")
-            before = sum(client.run(moved_over_mpi).values())
-            future = client.compute(graph)
-            wait_for_frames_over_mpi(client, before)
+            future, expected = compute_while_frames_move_over_mpi(client)
             os.kill(victim, signal.SIGKILL)
             assert np.isclose(future.result(timeout=60), expected)
             client.wait_for_workers(3, timeout=60)
