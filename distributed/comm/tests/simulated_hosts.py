@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import itertools
 import json
 import os
@@ -86,13 +87,12 @@ class SimulatedHosts:
     and libfabric to use ``eth0`` (outside these namespaces they would pick
     the machine's own interfaces), and mpi:// to move data between hosts over
     MPI: these hosts have no RDMA network, where it would not by default.
-    Hosts share the machine's ``/tmp``; with ``own_tmpdir``, each host's
-    processes have a ``TMPDIR`` of its own, removed with the hosts.  Open MPI
-    needs one: it names its session directories there by process id alone,
-    and ids repeat on every host and in every run.
+    Each host's processes have a ``TMPDIR`` of their own, removed with the
+    hosts, as real hosts have a ``/tmp`` each: Open MPI names its session
+    directories there by process id alone, and ids repeat on every host.
     """
 
-    def __init__(self, n: int = 2, interfaces: int = 1, names=None, own_tmpdir=False):
+    def __init__(self, n: int = 2, interfaces: int = 1, names=None):
         if not 2 <= n <= 4:
             raise ValueError("2 to 4 hosts")
         reason = skip_reason()
@@ -100,7 +100,6 @@ class SimulatedHosts:
             raise RuntimeError(reason)
         self.tag = f"{os.getpid()}-{next(_counter)}"
         self.interfaces = interfaces
-        self.own_tmpdir = own_tmpdir
         self.env = {
             "UCX_NET_DEVICES": "eth0",
             "FI_TCP_IFACE": "eth0",
@@ -193,6 +192,7 @@ class SimulatedHosts:
             helper.stdout.close()
         with self._locked():
             _teardown(self.tag, list(self._pids.values()))
+            _remove_leaked_hwloc_files(since=psutil.Process().create_time())
 
     def __enter__(self):
         return self
@@ -215,12 +215,11 @@ class SimulatedHosts:
         enter += [
             f"--{kind}={self._path(name, kind)}" for kind in ["uts", "ipc", "pid"]
         ]
-        tmpdir = f"export TMPDIR={self._path(name, 'tmp')} && "
         setup = (
             "mount -t proc proc /proc && mount -t sysfs sysfs /sys && "
             f"mount --bind /etc/netns/{ns}/hosts /etc/hosts && "
             f"mount --bind {self._path(name, 'shm')} /dev/shm && "
-            f"{tmpdir if self.own_tmpdir else ''}"
+            f"export TMPDIR={self._path(name, 'tmp')} && "
             'exec "$@"'
         )
         return [
@@ -328,8 +327,7 @@ class SimulatedHosts:
             open(path, "w").close()
             _mount("--bind", f"/proc/{child.pid}/ns/{kind}", path)
         os.mkdir(self._path(name, "shm"))
-        if self.own_tmpdir:
-            os.mkdir(self._path(name, "tmp"))
+        os.mkdir(self._path(name, "tmp"))
         _mount("-t", "tmpfs", "-o", "size=4g", "shm", self._path(name, "shm"))
 
     def _path(self, name: str, what: str) -> str:
@@ -470,6 +468,7 @@ def sweep() -> None:
             live.add(tag)
         else:
             _teardown(tag, state.get("pids", []))
+            _remove_leaked_hwloc_files(since=state.get("started", time.time()))
     # Namespaces of instances that died before writing their state
     names = _ip("netns", "list", check=False).stdout.split()
     for ns in names:
@@ -503,6 +502,25 @@ def _teardown(tag: str, pids: list[int]) -> None:
         os.unlink(os.path.join(STATE, f"{tag}.json"))
     with contextlib.suppress(OSError):
         os.rmdir("/etc/netns")  # if no other instance uses it
+
+
+def _remove_leaked_hwloc_files(since: float) -> None:
+    """Hydra's proxies write /tmp/hydra_hwloc_xmlfile_* (a fixed directory,
+    not $TMPDIR), hold it open, and remove it if they exit cleanly.  One
+    that dies otherwise leaves it: SIGKILLed, or when its mpiexec, given
+    Ctrl-C, saw a proxy on another host exit badly and aborted the rest.
+    Remove those made since ``since`` that no process holds open"""
+    leaked = set()
+    for path in glob.glob("/tmp/hydra_hwloc_xmlfile_*"):
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime >= since:
+                leaked.add(path)
+    for process in psutil.process_iter() if leaked else ():
+        with contextlib.suppress(psutil.Error):
+            leaked -= {f.path for f in process.open_files()}
+    for path in leaked:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(180)
 WORKER = ["-m", "distributed.cli.dask_worker", "--nthreads", "1", "--no-dashboard"]
 SCHEDULER = ["-m", "distributed.cli.dask_scheduler", "--no-dashboard"]
 SIZE = 2**24  # bytes of each array the client moves
+HWLOC_FILES = "/tmp/hydra_hwloc_xmlfile_*"
 
 
 @pytest.fixture
@@ -48,10 +49,13 @@ def simulated_hosts():
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
+    before = set(glob.glob(HWLOC_FILES))
     with contextlib.ExitStack() as stack:
         yield lambda *args, **kwargs: stack.enter_context(
             SimulatedHosts(*args, **kwargs)
         )
+    # Hydra's proxies killed on the hosts leave these (see SimulatedHosts)
+    assert set(glob.glob(HWLOC_FILES)) <= before
 
 
 def on(hosts: SimulatedHosts, name: str, **env) -> list[str]:
@@ -576,7 +580,7 @@ def test_open_mpi_job_across_hosts(simulated_hosts, openmpi, tmp_path):
     know they are one job on every host, by their PMIx namespace, and the
     channels between workers on different hosts were made by
     MPI_Comm_create_group.  The client, not in the job, comes over tcp://"""
-    hosts = simulated_hosts(3, own_tmpdir=True)
+    hosts = simulated_hosts(3)
     a, b, c = hosts.names
     path = str(tmp_path / "scheduler.json")
     args = [*prte(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
@@ -602,7 +606,7 @@ def test_open_mpi_dask_mpi_across_hosts(simulated_hosts, openmpi, tmp_path):
     which Open MPI does not connect): the workers on different hosts move
     their data over channels of the job, and a client outside the job drives
     them over the same mpi:// address, its comms on TCP"""
-    hosts = simulated_hosts(3, own_tmpdir=True)
+    hosts = simulated_hosts(3)
     a, b, c = hosts.names
     path = str(tmp_path / "scheduler.json")
     args = [*prte(hosts, {a: 1, b: 1, c: 1}), "-n", "3", "-m", "dask_mpi.cli"]
@@ -626,7 +630,7 @@ def test_open_mpi_jobs_apart_move_their_data_over_tcp(
     """Workers of two Open MPI jobs, on two hosts: Open MPI cannot connect
     processes of different jobs (it would hang in MPI_Comm_accept/connect),
     so their comms move all their data over TCP, and they say why"""
-    hosts = simulated_hosts(2, own_tmpdir=True)
+    hosts = simulated_hosts(2)
     a, b = hosts.names
     path, log = str(tmp_path / "scheduler.json"), tmp_path / "worker.log"
     common = ["--bind-to", "none", "--oversubscribe", "-n", "1"]
