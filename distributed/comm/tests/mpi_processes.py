@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -84,13 +86,40 @@ def mpiexec(
     given; stop the whole job on exit"""
     args = [a for arg in args for a in ([python, "-m"] if arg == "-m" else [arg])]
     command = [*prefix, mpiexec_command(python), *args]
-    job = Job(command, env=_env(python), start_new_session=True, **kwargs)
-    with job:  # and its pipes closed
-        try:
-            yield job
-        finally:
-            if job.poll() is None:
-                job.stop()
+    # A worker that a test kills leaves its local directory: in the job's
+    with tempfile.TemporaryDirectory(
+        prefix="mpi4dask-job-", ignore_cleanup_errors=True
+    ) as scratch:
+        env = {**_env(python), "DASK_TEMPORARY_DIRECTORY": scratch}
+        started = time.time()
+        job = Job(command, env=env, start_new_session=True, **kwargs)
+        with job:  # and its pipes closed
+            try:
+                yield job
+            finally:
+                if job.poll() is None:
+                    job.stop()
+                remove_leaked_hwloc_files(since=started)
+
+
+def remove_leaked_hwloc_files(since: float) -> None:
+    """Hydra's proxies write /tmp/hydra_hwloc_xmlfile_* (a fixed directory,
+    not $TMPDIR), hold it open, and remove it if they exit cleanly.  One
+    that dies otherwise leaves it: SIGKILLed, or, on several hosts, when its
+    mpiexec, given Ctrl-C, saw a proxy on another host exit badly and
+    aborted the rest.  Remove those made since ``since`` that no process
+    holds open."""
+    leaked = set()
+    for path in glob.glob("/tmp/hydra_hwloc_xmlfile_*"):
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime >= since:
+                leaked.add(path)
+    for process in psutil.process_iter() if leaked else ():
+        with contextlib.suppress(psutil.Error):
+            leaked -= {f.path for f in process.open_files()}
+    for path in leaked:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import itertools
 import json
 import os
@@ -191,8 +190,9 @@ class SimulatedHosts:
                 helper.wait()
             helper.stdout.close()
         with self._locked():
-            _teardown(self.tag, list(self._pids.values()))
-            _remove_leaked_hwloc_files(since=psutil.Process().create_time())
+            _teardown(
+                self.tag, list(self._pids.values()), psutil.Process().create_time()
+            )
 
     def __enter__(self):
         return self
@@ -467,18 +467,22 @@ def sweep() -> None:
         if _alive(state.get("owner", -1), state.get("started")):
             live.add(tag)
         else:
-            _teardown(tag, state.get("pids", []))
-            _remove_leaked_hwloc_files(since=state.get("started", time.time()))
+            _teardown(tag, state.get("pids", []), state.get("started", 0))
     # Namespaces of instances that died before writing their state
     names = _ip("netns", "list", check=False).stdout.split()
     for ns in names:
         if ns.startswith(PREFIX):
             tag = "-".join(ns[len(PREFIX) :].split("-")[:2])
             if tag not in live:  # states are written before namespaces
-                _teardown(tag, [])
+                _teardown(tag, [], time.time())
 
 
-def _teardown(tag: str, pids: list[int]) -> None:
+def _teardown(tag: str, pids: list[int], started: float) -> None:
+    """Remove instance ``tag``, whose owner started at ``started``"""
+    # Not at the top: the fake ssh imports this module, and should not
+    # import distributed
+    from distributed.comm.tests.mpi_processes import remove_leaked_hwloc_files
+
     for pid in pids:  # a host's first process: its namespace dies with it
         with contextlib.suppress(psutil.Error):
             process = psutil.Process(pid)
@@ -498,29 +502,11 @@ def _teardown(tag: str, pids: list[int]) -> None:
         if path.startswith(here):
             subprocess.run(["umount", "-l", path], capture_output=True)
     shutil.rmtree(here, ignore_errors=True)
+    remove_leaked_hwloc_files(since=started)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(STATE, f"{tag}.json"))
     with contextlib.suppress(OSError):
         os.rmdir("/etc/netns")  # if no other instance uses it
-
-
-def _remove_leaked_hwloc_files(since: float) -> None:
-    """Hydra's proxies write /tmp/hydra_hwloc_xmlfile_* (a fixed directory,
-    not $TMPDIR), hold it open, and remove it if they exit cleanly.  One
-    that dies otherwise leaves it: SIGKILLed, or when its mpiexec, given
-    Ctrl-C, saw a proxy on another host exit badly and aborted the rest.
-    Remove those made since ``since`` that no process holds open"""
-    leaked = set()
-    for path in glob.glob("/tmp/hydra_hwloc_xmlfile_*"):
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_mtime >= since:
-                leaked.add(path)
-    for process in psutil.process_iter() if leaked else ():
-        with contextlib.suppress(psutil.Error):
-            leaked -= {f.path for f in process.open_files()}
-    for path in leaked:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 if __name__ == "__main__":

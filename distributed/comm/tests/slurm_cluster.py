@@ -32,7 +32,7 @@ import time
 
 import psutil
 
-from distributed.comm.tests.mpi_processes import _env
+from distributed.comm.tests.mpi_processes import _env, remove_leaked_hwloc_files
 from distributed.comm.tests.simulated_hosts import ACROSS_HOSTS
 
 MARKER = "DASK_SLURM_CLUSTER"
@@ -127,6 +127,7 @@ class SlurmCluster:
         self.close()
 
     def _start(self) -> None:
+        self.started = time.time()
         self.dir = tempfile.mkdtemp(prefix=PREFIX)
         # munged wants every directory above its socket open to everyone
         os.chmod(self.dir, 0o755)
@@ -355,6 +356,7 @@ class SlurmCluster:
         for name in order:
             _stop(self.processes[name])
         kill_marked(self.dir)
+        remove_leaked_hwloc_files(since=self.started)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = ""
 
