@@ -1,13 +1,15 @@
 """Idle cost: CPU used by a scheduler and two workers sitting idle with open comms.
 
-    python benchmarks/idle.py [--quick] [--seconds 30] [--out benchmarks/results]
+    python benchmarks/idle.py [--quick] [--seconds 20] [--rounds 3]
+                              [--out benchmarks/results]
 
 For each protocol, starts a scheduler and two workers (each in its own
 ``mpiexec -n 1`` for mpi://, plain processes for tcp://), connects a client,
 runs one small computation so that all comms are open, then measures the CPU
-seconds (user + system) the three processes use over the idle period. Three
-rounds, tcp:// and mpi:// alternating (one cluster differs from the next by
-about 5 %); the figures are the medians. Writes ``idle.json``.
+seconds (user + system) the three processes use over the idle period.
+``--rounds`` rounds, tcp:// and mpi:// alternating (one cluster differs from
+the next by 5-45 %); the figures are the medians, with a 95 % bootstrap
+interval of mpi/tcp. Writes ``idle.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import psutil
 
 from processes import cluster
+from stats import ratio_interval
 
 from distributed import Client
 
@@ -65,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results")
     )
@@ -72,7 +76,7 @@ def main() -> None:
     seconds = args.seconds or (5 if args.quick else 20)
     os.makedirs(args.out, exist_ok=True)
     rounds = {"tcp": [], "mpi": []}
-    for i in range(1 if args.quick else 3):
+    for i in range(args.rounds or (1 if args.quick else 3)):
         for protocol in ["tcp", "mpi"] if i % 2 == 0 else ["mpi", "tcp"]:
             rounds[protocol].append(measure(protocol, seconds))
     results = {
@@ -82,6 +86,9 @@ def main() -> None:
         }
         for protocol, runs in rounds.items()
     }
+    results["mpi"]["mpi/tcp 95%"] = ratio_interval(
+        results["mpi"]["rounds"], results["tcp"]["rounds"]
+    )
     with open(os.path.join(args.out, "idle.json"), "w") as f:
         json.dump(results, f, indent=1)
     for protocol, r in results.items():
@@ -89,6 +96,9 @@ def main() -> None:
             f"{protocol}://: {r['cpu_seconds']:.3f} CPU s in {seconds:g} s "
             f"({r['cpu_percent_per_process']:.2f} % of a core per process)"
         )
+    low, high = results["mpi"]["mpi/tcp 95%"]
+    tcp, mpi = results["tcp"]["cpu_seconds"], results["mpi"]["cpu_seconds"]
+    print(f"mpi/tcp {mpi / tcp:.2f} (95 % interval {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

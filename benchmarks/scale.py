@@ -1,12 +1,13 @@
 """One scheduler and many workers: tasks per second and the scheduler's CPU.
 
-    python benchmarks/scale.py [--quick] [--workers 200] [--out benchmarks/results]
+    python benchmarks/scale.py [--quick] [--workers 200] [--rounds 2]
+                               [--out benchmarks/results]
 
 A scheduler process (``dask scheduler --protocol P``), ``--workers`` workers of
 one thread each, spread over four processes (many ``Worker`` objects on one
 event loop: 200 worker processes would not fit on a small machine), and a
 client in this process. It measures, for tcp:// and mpi://, alternating over
-two rounds:
+``--rounds`` rounds (2), with a 95 % bootstrap interval of each mpi/tcp:
 
 - idle: CPU seconds used by the scheduler and by the worker processes in 10 s
   with every worker connected and nothing to do;
@@ -30,6 +31,7 @@ import time
 import psutil
 
 import processes
+from stats import ratio_interval
 
 HERE = os.path.abspath(__file__)
 PROCESSES = 4
@@ -116,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     args = parser.parse_args()
     n_workers = args.workers or (40 if args.quick else 200)
@@ -123,13 +126,16 @@ def main() -> None:
     import pingpong
 
     rounds = {"tcp": [], "mpi": []}
-    for order in (["tcp", "mpi"], ["mpi", "tcp"]):
-        for protocol in order:
+    for i in range(args.rounds):
+        for protocol in ["tcp", "mpi"][:: 1 if i % 2 == 0 else -1]:
             print(f"{protocol}:// with {n_workers} workers", flush=True)
             rounds[protocol].append(measure(protocol, n_workers, n_tasks))
 
+    def series(protocol, part, key):
+        return [r[part][key] for r in rounds[protocol]]
+
     def median(protocol, part, key):
-        return statistics.median(r[part][key] for r in rounds[protocol])
+        return statistics.median(series(protocol, part, key))
 
     summary = {
         f"{p}://": {
@@ -140,6 +146,16 @@ def main() -> None:
         }
         for p in rounds
     }
+    parts = {
+        "tasks_per_s": ("tiny_tasks", "tasks_per_s"),
+        "scheduler_cpu_s": ("tiny_tasks", "scheduler_cpu_s"),
+        "idle_scheduler_cpu_s": ("idle_10s", "scheduler_cpu_s"),
+        "idle_workers_cpu_s": ("idle_10s", "workers_cpu_s"),
+    }
+    intervals = {
+        key: ratio_interval(series("mpi", *part), series("tcp", *part))
+        for key, part in parts.items()
+    }
     results = {
         "machine": pingpong.versions(),
         "quick": args.quick,
@@ -147,15 +163,22 @@ def main() -> None:
         "tasks": n_tasks,
         "rounds": rounds,
         "summary": summary,
+        "intervals": intervals,  # of mpi/tcp
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "scale.json"), "w") as f:
         json.dump(results, f, indent=1)
     tcp, mpi = summary["tcp://"], summary["mpi://"]
-    print(f"{n_workers} workers, {n_tasks} tiny tasks (medians of 2 rounds)")
-    print(f"{'':28}{'tcp://':>10}{'mpi://':>10}{'mpi/tcp':>9}")
+    print(
+        f"{n_workers} workers, {n_tasks} tiny tasks (medians of {args.rounds} rounds)"
+    )
+    print(f"{'':28}{'tcp://':>10}{'mpi://':>10}{'mpi/tcp':>9}  95 % interval")
     for key in tcp:
-        print(f"{key:28}{tcp[key]:10.2f}{mpi[key]:10.2f}{mpi[key] / tcp[key]:9.2f}")
+        low, high = intervals[key]
+        print(
+            f"{key:28}{tcp[key]:10.2f}{mpi[key]:10.2f}{mpi[key] / tcp[key]:9.2f}"
+            f"  {low:.2f}-{high:.2f}"
+        )
 
 
 if __name__ == "__main__":
