@@ -54,7 +54,7 @@ def simulated_hosts():
         yield lambda *args, **kwargs: stack.enter_context(
             SimulatedHosts(*args, **kwargs)
         )
-    # Hydra's proxies killed on the hosts leave these (see SimulatedHosts)
+    # Killed Hydra proxies leave these; mpiexec() and SimulatedHosts remove them
     assert set(glob.glob(HWLOC_FILES)) <= before
 
 
