@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 
+from distributed.comm.tests.mpi_processes import remove_leaked_hwloc_files
+
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
@@ -19,19 +21,24 @@ def launch(argv: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, *argv]
     if mpi:
         cmd = [MPIEXEC, "-n", "1", *cmd]
-    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    proc.started = time.time()
+    return proc
 
 
 def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and its session; for an mpiexec, remove the hwloc
+    file in /tmp that its killed proxy leaves"""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    if proc.args[0] == MPIEXEC:
+        remove_leaked_hwloc_files(since=getattr(proc, "started", 0))
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """:func:`kill`, but an mpiexec is asked first (SIGTERM: it ends its ranks
-    and removes its hwloc file in /tmp, which SIGKILL leaves behind; it prints
-    a "BAD TERMINATION" banner on its stdout)"""
+    """:func:`kill`, but an mpiexec is asked first (SIGTERM: it ends its ranks;
+    it prints a "BAD TERMINATION" banner on its stdout)"""
     if proc.poll() is None and proc.args[0] == MPIEXEC:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -331,6 +331,8 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
 
     from processes import MPIEXEC
 
+    from distributed.comm.tests.mpi_processes import remove_leaked_hwloc_files
+
     from distributed import Client
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -380,6 +382,7 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
                         p.kill()
                 job.kill()
                 job.wait()
+                remove_leaked_hwloc_files(since=0)  # of its killed proxy
             log.close()
 
 

@@ -102,13 +102,12 @@ def mpiexec(
                 remove_leaked_hwloc_files(since=started)
 
 
-def remove_leaked_hwloc_files(since: float) -> None:
+def leaked_hwloc_files(since: float) -> set[str]:
     """Hydra's proxies write /tmp/hydra_hwloc_xmlfile_* (a fixed directory,
     not $TMPDIR), hold it open, and remove it if they exit cleanly.  One
     that dies otherwise leaves it: SIGKILLed, or, on several hosts, when its
     mpiexec, given Ctrl-C, saw a proxy on another host exit badly and
-    aborted the rest.  Remove those made since ``since`` that no process
-    holds open."""
+    aborted the rest.  Those made since ``since`` that no process holds."""
     leaked = set()
     for path in glob.glob("/tmp/hydra_hwloc_xmlfile_*"):
         with contextlib.suppress(OSError):
@@ -117,7 +116,11 @@ def remove_leaked_hwloc_files(since: float) -> None:
     for process in psutil.process_iter() if leaked else ():
         with contextlib.suppress(psutil.Error):
             leaked -= {f.path for f in process.open_files()}
-    for path in leaked:
+    return leaked
+
+
+def remove_leaked_hwloc_files(since: float) -> None:
+    for path in leaked_hwloc_files(since):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -23,6 +23,7 @@ pytest.importorskip("numpy")
 
 from distributed.comm.tests.mpi_processes import (
     _env,
+    leaked_hwloc_files,
     mpiexec,
     mpiexec_command,
     wait_for_file,
@@ -39,7 +40,6 @@ pytestmark = pytest.mark.timeout(180)
 WORKER = ["-m", "distributed.cli.dask_worker", "--nthreads", "1", "--no-dashboard"]
 SCHEDULER = ["-m", "distributed.cli.dask_scheduler", "--no-dashboard"]
 SIZE = 2**24  # bytes of each array the client moves
-HWLOC_FILES = "/tmp/hydra_hwloc_xmlfile_*"
 
 
 @pytest.fixture
@@ -49,13 +49,13 @@ def simulated_hosts():
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    before = set(glob.glob(HWLOC_FILES))
+    start = time.time()
     with contextlib.ExitStack() as stack:
         yield lambda *args, **kwargs: stack.enter_context(
             SimulatedHosts(*args, **kwargs)
         )
     # Killed Hydra proxies leave these; mpiexec() and SimulatedHosts remove them
-    assert set(glob.glob(HWLOC_FILES)) <= before
+    assert not leaked_hwloc_files(since=start)
 
 
 def on(hosts: SimulatedHosts, name: str, **env) -> list[str]:
