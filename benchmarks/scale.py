@@ -131,30 +131,26 @@ def main() -> None:
             print(f"{protocol}:// with {n_workers} workers", flush=True)
             rounds[protocol].append(measure(protocol, n_workers, n_tasks))
 
-    def series(protocol, part, key):
-        return [r[part][key] for r in rounds[protocol]]
-
-    def median(protocol, part, key):
-        return statistics.median(series(protocol, part, key))
-
-    summary = {
-        f"{p}://": {
-            "tasks_per_s": median(p, "tiny_tasks", "tasks_per_s"),
-            "scheduler_cpu_s": median(p, "tiny_tasks", "scheduler_cpu_s"),
-            "idle_scheduler_cpu_s": median(p, "idle_10s", "scheduler_cpu_s"),
-            "idle_workers_cpu_s": median(p, "idle_10s", "workers_cpu_s"),
-        }
-        for p in rounds
-    }
+    # Each figure of the summary: where a round holds it
     parts = {
         "tasks_per_s": ("tiny_tasks", "tasks_per_s"),
         "scheduler_cpu_s": ("tiny_tasks", "scheduler_cpu_s"),
         "idle_scheduler_cpu_s": ("idle_10s", "scheduler_cpu_s"),
         "idle_workers_cpu_s": ("idle_10s", "workers_cpu_s"),
     }
+
+    def series(protocol, part, key):
+        return [r[part][key] for r in rounds[protocol]]
+
+    summary = {
+        f"{p}://": {
+            name: statistics.median(series(p, *part)) for name, part in parts.items()
+        }
+        for p in rounds
+    }
     intervals = {
-        key: ratio_interval(series("mpi", *part), series("tcp", *part))
-        for key, part in parts.items()
+        name: ratio_interval(series("mpi", *part), series("tcp", *part))
+        for name, part in parts.items()
     }
     results = {
         "machine": pingpong.versions(),
