@@ -344,6 +344,7 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
         cmd += [*python, "distributed.cli.dask_worker", "--scheduler-file", sched_file]
         cmd += ["--no-nanny", "--nthreads", str(threads), "--no-dashboard"]
         log = open(os.path.join(tmp, "job.log"), "w+")
+        started = time.time()
         job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
@@ -382,7 +383,7 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
                         p.kill()
                 job.kill()
                 job.wait()
-                remove_leaked_hwloc_files(since=0)  # of its killed proxy
+                remove_leaked_hwloc_files(since=started)  # of its killed proxy
             log.close()
 
 
