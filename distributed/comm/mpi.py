@@ -45,6 +45,7 @@ from distributed.comm.addressing import (
     unparse_host_port,
 )
 from distributed.comm.core import CommClosedError, FatalCommClosedError
+from distributed.comm.mpi_buffers import host_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
@@ -58,7 +59,6 @@ from distributed.comm.tcp import (
     convert_stream_closed_error,
 )
 from distributed.comm.utils import from_frames, to_frames
-from distributed.protocol.utils import host_array
 from distributed.utils import ensure_memoryview, wait_for
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class MPI(TCP):
             )
         self._use(channel)
         received = [
-            mpi_gpu.device_buffer(size) if where else host_array(size)
+            mpi_gpu.device_buffer(size) if where else host_buffer(size)
             for _, size, where in head.frames
         ]
         if on_device:

@@ -34,7 +34,7 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
-from distributed.comm import mpi_handshake, mpi_startup
+from distributed.comm import mpi_buffers, mpi_handshake, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
@@ -43,7 +43,14 @@ from distributed.comm.registry import backends
 from distributed.comm.utils import to_frames
 from distributed.core import Server, rpc
 from distributed.protocol import Serialized, deserialize, to_serialize
-from distributed.utils_test import captured_logger, gen_cluster, gen_test, inc, popen
+from distributed.utils_test import (
+    async_poll_for,
+    captured_logger,
+    gen_cluster,
+    gen_test,
+    inc,
+    popen,
+)
 
 
 async def echo(comm):
@@ -631,6 +638,68 @@ async def test_config_bounds_used():
             payload = to_serialize(np.arange(10_000))
             await comm.write({"x": payload})
             np.testing.assert_array_equal((await comm.read())["x"], np.arange(10_000))
+
+
+def address(buffer) -> int:
+    return np.frombuffer(buffer, "u1").ctypes.data
+
+
+@gen_test()
+async def test_receive_buffers_start_on_2_MiB_and_serve_again_once_freed():
+    mib = 2**20
+    first, other = mpi_buffers.host_buffer(3 * mib), mpi_buffers.host_buffer(3 * mib)
+    assert (first.nbytes, other.nbytes) == (3 * mib, 3 * mib)
+    assert address(first) % (2 * mib) == 0 and address(other) % (2 * mib) == 0
+    assert address(first) != address(other)
+
+    old = address(first)
+    del first
+    # Of the same capacity (rounded to 2 MiB), taken again; not by a larger frame
+    assert address(mpi_buffers.host_buffer(6 * mib)) != old
+    again = mpi_buffers.host_buffer(4 * mib)
+    assert address(again) == old
+
+    # A view of a frame keeps its memory from the next frames
+    view = memoryview(again)[10:20]
+    array = np.frombuffer(view, "u1")
+    del again, view
+    assert address(mpi_buffers.host_buffer(4 * mib)) != old
+    del array
+    assert address(mpi_buffers.host_buffer(4 * mib)) == old
+
+
+@gen_test()
+async def test_freed_receive_buffers_are_given_back():
+    mib = 2**20
+    keep_for, keep_at_most = mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST
+    mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST = 0.2, 8 * mib
+    mpi_buffers._freed.clear()  # what earlier tests freed
+    try:
+        buffers = [mpi_buffers.host_buffer(2 * mib) for _ in range(6)]
+        del buffers
+        assert sum(capacity for capacity, _, _ in mpi_buffers._freed) == 8 * mib
+        await async_poll_for(lambda: not mpi_buffers._freed, timeout=5)
+    finally:
+        mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST = keep_for, keep_at_most
+
+
+@gen_test()
+async def test_frames_received_into_freed_memory_keep_their_values():
+    """Received arrays that are kept hold their memory; those dropped lend
+    theirs to the next messages"""
+    size = 3 * 2**20
+    async with echoing() as comm:
+        kept = []
+        for i in range(8):
+            sent = np.full(size, i, "u1")
+            await comm.write({"x": to_serialize(sent), "i": i})
+            got = await comm.read()
+            np.testing.assert_array_equal(got["x"], sent)
+            if i % 2:
+                kept.append(got["x"])
+            del got
+        assert [int(x[0]) for x in kept] == [1, 3, 5, 7]
+        assert all((x == x[0]).all() for x in kept)
 
 
 @gen_test()
