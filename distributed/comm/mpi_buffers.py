@@ -11,9 +11,11 @@ fresh memory took 5.8 ms, into memory used before 3.6.  Two things help:
 - The memory of frames already freed.  When the last reference to a received
   frame goes, its memory waits ``KEEP_FOR`` (at most twice that) for the
   next frame of its size, since a message often follows one like it, up to
-  ``KEEP_AT_MOST`` bytes in all.  Then it is given back to the system, as
-  memory that Dask frees is (``MALLOC_TRIM_THRESHOLD_``), so that a worker's
-  memory comes down.
+  ``KEEP_AT_MOST`` bytes in all.  Then a timer on the event loop of the
+  frame's reader gives it back to the system, as memory that Dask frees is
+  (``MALLOC_TRIM_THRESHOLD_``), so that a worker's memory comes down; a frame
+  freed once that loop stopped is given back at once.  (Should the loop stop
+  in between, the next receive in the process gives back what waited.)
 """
 
 from __future__ import annotations
@@ -85,16 +87,19 @@ def _take(capacity: int) -> mmap.mmap | None:
 
 def _free(capacity: int, mapping: mmap.mmap, loop: weakref.ref) -> None:
     """The last reference to a received frame went (in any thread): keep its
-    memory a while, unless as much waits already"""
+    memory a while, if the event loop of its reader runs to give it back
+    then, and unless as much waits already"""
+    loop = loop()
+    if loop is None or not loop.is_running():
+        return  # the mapping goes with its last reference
     if sum(entry[0] for entry in list(_freed)) + capacity > KEEP_AT_MOST:
         return
-    _freed.append((capacity, mapping, time.monotonic()))
-    loop = loop()
-    if loop is not None and loop not in _trimming:
+    if loop not in _trimming:
         try:
             loop.call_soon_threadsafe(_trim_later, loop)
-        except RuntimeError:
-            pass  # closed: the next receive drops what waited too long
+        except RuntimeError:  # closed meanwhile
+            return
+    _freed.append((capacity, mapping, time.monotonic()))
 
 
 def _trim_later(loop: asyncio.AbstractEventLoop) -> None:

@@ -683,6 +683,23 @@ async def test_freed_receive_buffers_are_given_back():
         mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST = keep_for, keep_at_most
 
 
+def test_receive_buffers_freed_after_their_loop_stopped_are_given_back():
+    """Nothing would give them back later: a Client's loop stops when it
+    closes, and its results are often freed after that"""
+
+    async def receive():
+        return mpi_buffers.host_buffer(2 * 2**20)
+
+    loop = asyncio.new_event_loop()
+    try:
+        buffer = loop.run_until_complete(receive())
+    finally:
+        loop.close()
+    mpi_buffers._freed.clear()  # what earlier tests freed
+    del buffer
+    assert not mpi_buffers._freed
+
+
 @gen_test()
 async def test_frames_received_into_freed_memory_keep_their_values():
     """Received arrays that are kept hold their memory; those dropped lend
