@@ -72,17 +72,21 @@ def host_buffer(size: int) -> memoryview:
 
 
 def _take(capacity: int) -> mmap.mmap | None:
-    """The freed mapping of ``capacity`` that waited least, if one waits;
-    those that waited ``KEEP_FOR`` go"""
-    expired = time.monotonic() - KEEP_FOR
+    """The freed mapping of ``capacity`` that waited least, if one waits"""
     with _taking:  # from the loops of several threads; finalizers only append
-        while _freed and _freed[0][2] < expired:
-            _freed.popleft()  # the mapping goes with its last reference
+        _drop_expired()
         for entry in reversed(list(_freed)):
             if entry[0] == capacity:
                 _freed.remove(entry)
                 return entry[1]
     return None
+
+
+def _drop_expired() -> None:
+    """Give back what waited ``KEEP_FOR`` (with ``_taking`` held)"""
+    expired = time.monotonic() - KEEP_FOR
+    while _freed and _freed[0][2] < expired:
+        _freed.popleft()  # the mapping goes with its last reference
 
 
 def _free(capacity: int, mapping: mmap.mmap, loop: weakref.ref) -> None:
@@ -112,6 +116,7 @@ def _trim(loop: asyncio.AbstractEventLoop) -> None:
     """Give back the memory that waited ``KEEP_FOR``; look again later while
     some waits"""
     _trimming.discard(loop)
-    _take(0)
+    with _taking:
+        _drop_expired()
     if _freed:
         _trim_later(loop)

@@ -640,7 +640,7 @@ async def test_config_bounds_used():
             np.testing.assert_array_equal((await comm.read())["x"], np.arange(10_000))
 
 
-def address(buffer) -> int:
+def address_of(buffer) -> int:
     return np.frombuffer(buffer, "u1").ctypes.data
 
 
@@ -649,23 +649,23 @@ async def test_receive_buffers_start_on_2_MiB_and_serve_again_once_freed():
     mib = 2**20
     first, other = mpi_buffers.host_buffer(3 * mib), mpi_buffers.host_buffer(3 * mib)
     assert (first.nbytes, other.nbytes) == (3 * mib, 3 * mib)
-    assert address(first) % (2 * mib) == 0 and address(other) % (2 * mib) == 0
-    assert address(first) != address(other)
+    assert address_of(first) % (2 * mib) == 0 and address_of(other) % (2 * mib) == 0
+    assert address_of(first) != address_of(other)
 
-    old = address(first)
+    old = address_of(first)
     del first
     # Of the same capacity (rounded to 2 MiB), taken again; not by a larger frame
-    assert address(mpi_buffers.host_buffer(6 * mib)) != old
+    assert address_of(mpi_buffers.host_buffer(6 * mib)) != old
     again = mpi_buffers.host_buffer(4 * mib)
-    assert address(again) == old
+    assert address_of(again) == old
 
     # A view of a frame keeps its memory from the next frames
     view = memoryview(again)[10:20]
     array = np.frombuffer(view, "u1")
     del again, view
-    assert address(mpi_buffers.host_buffer(4 * mib)) != old
+    assert address_of(mpi_buffers.host_buffer(4 * mib)) != old
     del array
-    assert address(mpi_buffers.host_buffer(4 * mib)) == old
+    assert address_of(mpi_buffers.host_buffer(4 * mib)) == old
 
 
 @gen_test()
