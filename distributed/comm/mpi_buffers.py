@@ -11,11 +11,12 @@ fresh memory took 5.8 ms, into memory used before 3.6.  Two things help:
 - The memory of frames already freed.  When the last reference to a received
   frame goes, its memory waits ``KEEP_FOR`` (at most twice that) for the
   next frame of its size, since a message often follows one like it, up to
-  ``KEEP_AT_MOST`` bytes in all.  Then a timer on the event loop of the
-  frame's reader gives it back to the system, as memory that Dask frees is
-  (``MALLOC_TRIM_THRESHOLD_``), so that a worker's memory comes down; a frame
-  freed once that loop stopped is given back at once.  (Should the loop stop
-  in between, the next receive in the process gives back what waited.)
+  ``distributed.comm.mpi.keep-freed`` bytes in all.  Then a timer on the
+  event loop of the frame's reader gives it back to the system, as memory
+  that Dask frees is (``MALLOC_TRIM_THRESHOLD_``), so that a worker's memory
+  comes down; a frame freed once that loop stopped is given back at once.
+  (Should the loop stop in between, the next receive in the process gives
+  back what waited.)
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import time
 import weakref
 from collections import deque
 
+from dask.utils import parse_bytes
+
+from distributed.comm.mpi_startup import config
 from distributed.protocol.utils import host_array
 
 HUGE_PAGE = 2 * 2**20
 KEEP_FOR = 1.0  # seconds
-KEEP_AT_MOST = 256 * 2**20
 
 try:
     import numpy
@@ -67,7 +70,8 @@ def host_buffer(size: int) -> memoryview:
     # The array owns the frame: every view of the frame refers to it
     array = numpy.frombuffer(mapping, "u1", size, start)
     loop = weakref.ref(asyncio.get_running_loop())
-    weakref.finalize(array, _free, capacity, mapping, loop).atexit = False
+    keep_at_most = parse_bytes(config("keep-freed"))  # read here, not in any thread
+    weakref.finalize(array, _free, capacity, mapping, loop, keep_at_most).atexit = False
     return array.data
 
 
@@ -89,14 +93,16 @@ def _drop_expired() -> None:
         _freed.popleft()  # the mapping goes with its last reference
 
 
-def _free(capacity: int, mapping: mmap.mmap, loop: weakref.ref) -> None:
+def _free(
+    capacity: int, mapping: mmap.mmap, loop: weakref.ref, keep_at_most: int
+) -> None:
     """The last reference to a received frame went (in any thread): keep its
     memory a while, if the event loop of its reader runs to give it back
-    then, and unless as much waits already"""
+    then, and unless ``keep_at_most`` waits already"""
     loop = loop()
     if loop is None or not loop.is_running():
         return  # the mapping goes with its last reference
-    if sum(entry[0] for entry in list(_freed)) + capacity > KEEP_AT_MOST:
+    if sum(entry[0] for entry in list(_freed)) + capacity > keep_at_most:
         return
     if loop not in _trimming:
         try:

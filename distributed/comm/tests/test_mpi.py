@@ -671,16 +671,22 @@ async def test_receive_buffers_start_on_2_MiB_and_serve_again_once_freed():
 @gen_test()
 async def test_freed_receive_buffers_are_given_back():
     mib = 2**20
-    keep_for, keep_at_most = mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST
-    mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST = 0.2, 8 * mib
+    keep_for = mpi_buffers.KEEP_FOR
+    mpi_buffers.KEEP_FOR = 0.2
     mpi_buffers._freed.clear()  # what earlier tests freed
     try:
-        buffers = [mpi_buffers.host_buffer(2 * mib) for _ in range(6)]
+        with dask.config.set({"distributed.comm.mpi.keep-freed": "8MiB"}):
+            buffers = [mpi_buffers.host_buffer(2 * mib) for _ in range(6)]
         del buffers
         assert sum(capacity for capacity, _, _ in mpi_buffers._freed) == 8 * mib
         await async_poll_for(lambda: not mpi_buffers._freed, timeout=5)
+
+        with dask.config.set({"distributed.comm.mpi.keep-freed": 0}):
+            buffer = mpi_buffers.host_buffer(2 * mib)
+        del buffer
+        assert not mpi_buffers._freed
     finally:
-        mpi_buffers.KEEP_FOR, mpi_buffers.KEEP_AT_MOST = keep_for, keep_at_most
+        mpi_buffers.KEEP_FOR = keep_for
 
 
 def test_receive_buffers_freed_after_their_loop_stopped_are_given_back():
