@@ -220,6 +220,10 @@ class MPI(TCP):
             self.abort()
             raise CommClosedError("aborted stream on truncated data")
 
+    def frame_buffer(self, nbytes: int) -> memoryview:
+        # For frames that come on the socket too: see mpi_buffers
+        return host_buffer(nbytes)
+
     async def _receive(self, head: Head, frames: list) -> list:
         """Receive the frames of a message that travel over MPI, and put them
         in their places among those that came over TCP"""

@@ -1,8 +1,11 @@
-"""Host memory for frames received over MPI.
+"""Host memory for the frames an ``mpi://`` comm receives, over MPI or its socket.
 
 A fresh buffer costs its receive a page fault per page: between processes of
 one host, where MPI copies straight from the sender's memory (CMA), 64 MiB into
-fresh memory took 5.8 ms, into memory used before 3.6.  Two things help:
+fresh memory took 5.8 ms, into memory used before 3.6.  Frames from the socket
+pay the same under a nanny: its ``MALLOC_TRIM_THRESHOLD_`` fixes glibc's mmap
+threshold at 128 KiB, so each larger frame was a fresh mapping (a 700 KB one
+took 171 page faults, 30x the time of one from glibc's heap).  Two things help:
 
 - 2 MiB pages.  The kernel's transparent huge pages back only whole aligned
   2 MiB stretches of a mapping that asks for them; numpy's buffers ask, but
@@ -37,6 +40,7 @@ from distributed.protocol.utils import host_array
 
 HUGE_PAGE = 2 * 2**20
 KEEP_FOR = 1.0  # seconds
+SMALLEST = 128 * 2**10  # smaller buffers come from glibc's heap
 
 try:
     import numpy
@@ -54,7 +58,7 @@ def host_buffer(size: int) -> memoryview:
     """Memory to receive a frame of ``size`` bytes into, in 2 MiB pages
     where the kernel has them, and in memory of a freed frame when one of
     the same capacity waits"""
-    if numpy is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if size < SMALLEST or numpy is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return host_array(size)
     capacity = -(-size // HUGE_PAGE) * HUGE_PAGE
     mapping = _take(capacity)

@@ -726,6 +726,24 @@ async def test_frames_received_into_freed_memory_keep_their_values():
 
 
 @gen_test()
+async def test_frames_on_the_socket_are_received_into_recycled_memory():
+    """Not only those over MPI: under a nanny (``MALLOC_TRIM_THRESHOLD_``),
+    glibc maps every buffer of 128 KiB or more afresh"""
+    mpi_buffers._freed.clear()  # what earlier tests freed
+    frame = np.arange(2**17, dtype="u4")  # 512 KiB: below inline-size
+    async with comm_pair() as (a, b):
+        await a.write({"x": to_serialize(frame)})
+        got = (await b.read())["x"]
+        assert b.channel is None  # it came on the socket
+        del got
+        assert [capacity for capacity, _, _ in mpi_buffers._freed] == [2 * 2**20]
+        await a.write({"x": to_serialize(frame)})
+        got = (await b.read())["x"]
+        assert not mpi_buffers._freed  # taken again
+        np.testing.assert_array_equal(got, frame)
+
+
+@gen_test()
 async def test_worker_without_host_listens_where_it_reaches_the_scheduler():
     """As a tcp:// worker does, not on the host's default-route address, which
     peers on another network (InfiniBand) may not reach"""
