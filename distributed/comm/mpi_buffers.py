@@ -63,8 +63,13 @@ def host_buffer(size: int) -> memoryview:
     capacity = -(-size // HUGE_PAGE) * HUGE_PAGE
     mapping = _take(capacity)
     if mapping is None:
-        # 2 MiB more, to start on a boundary
-        mapping = mmap.mmap(-1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        try:
+            # 2 MiB more, to start on a boundary
+            mapping = mmap.mmap(-1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        except OSError:
+            # Out of address space, or of mappings (``vm.max_map_count``;
+            # each frame kept holds one): glibc's heap may still have room
+            return host_array(size)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE
     if whole := size - size % HUGE_PAGE:
         # The rest of the last stretch keeps 4 KiB pages: memory not used is

@@ -743,6 +743,36 @@ async def test_frames_on_the_socket_are_received_into_recycled_memory():
         np.testing.assert_array_equal(got, frame)
 
 
+def test_receive_buffer_comes_from_the_heap_when_no_mapping_can_be_made():
+    """A process out of mappings (each frame it keeps holds one) or of
+    address space still receives: glibc's heap may have room"""
+    code = """if True:
+        import asyncio, resource
+        import numpy as np
+        from distributed.comm import mpi_buffers
+
+        async def receive():
+            with open("/proc/self/status") as status:
+                vm = next(int(l.split()[1]) for l in status if l.startswith("VmSize"))
+            # Room for the frame (1.5 MiB), not for its 2 MiB-aligned mapping (4 MiB)
+            limit = vm * 1024 + 3 * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            frame = np.frombuffer(mpi_buffers.host_buffer(3 * 2**19), "u1")
+            frame[:] = 7
+            print(frame.nbytes, frame.ctypes.data % (2 * 2**20) != 0, frame.sum())
+
+        asyncio.run(receive())
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert out.split() == [str(3 * 2**19), "True", str(7 * 3 * 2**19)], out
+
+
 @gen_test()
 async def test_worker_without_host_listens_where_it_reaches_the_scheduler():
     """As a tcp:// worker does, not on the host's default-route address, which
