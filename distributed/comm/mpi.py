@@ -45,7 +45,7 @@ from distributed.comm.addressing import (
     unparse_host_port,
 )
 from distributed.comm.core import CommClosedError, FatalCommClosedError
-from distributed.comm.mpi_buffers import host_buffer
+from distributed.comm.mpi_buffers import host_buffer, socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
@@ -221,8 +221,7 @@ class MPI(TCP):
             raise CommClosedError("aborted stream on truncated data")
 
     def frame_buffer(self, nbytes: int) -> memoryview:
-        # For frames that come on the socket too: see mpi_buffers
-        return host_buffer(nbytes)
+        return socket_buffer(nbytes)
 
     async def _receive(self, head: Head, frames: list) -> list:
         """Receive the frames of a message that travel over MPI, and put them

@@ -3,9 +3,12 @@
 A fresh buffer costs its receive a page fault per page: between processes of
 one host, where MPI copies straight from the sender's memory (CMA), 64 MiB into
 fresh memory took 5.8 ms, into memory used before 3.6.  Frames from the socket
-pay the same under a nanny: its ``MALLOC_TRIM_THRESHOLD_`` fixes glibc's mmap
-threshold at 128 KiB, so each larger frame was a fresh mapping (a 700 KB one
-took 171 page faults, 30x the time of one from glibc's heap).  Two things help:
+pay the same where glibc maps each buffer afresh: from its mmap threshold,
+which adapts up to 32 MiB, or stays at 128 KiB under a nanny (its
+``MALLOC_TRIM_THRESHOLD_`` fixes it): a 700 KB frame took 171 page faults, 30x
+the time of one from glibc's heap.  Smaller frames from the socket come from
+glibc's heap, as on ``tcp://``: it serves them in 0.4 us, this module in 4-7.
+Two things help:
 
 - 2 MiB pages.  The kernel's transparent huge pages back only whole aligned
   2 MiB stretches of a mapping that asks for them; numpy's buffers ask, but
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -52,6 +56,29 @@ _freed: deque[tuple[int, mmap.mmap, float]] = deque()
 _taking = threading.Lock()
 # Loops where a trim is due
 _trimming: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _glibc_mmap_threshold() -> int:
+    """The size from which glibc's malloc gives a buffer a mapping of its
+    own (faulted in page by page): it adapts to the buffers freed, up to 32
+    MiB, unless a setting fixes it (at 128 KiB unless it is the one set)"""
+    env = os.environ
+    with contextlib.suppress(KeyError, ValueError):
+        return int(env["MALLOC_MMAP_THRESHOLD_"])
+    fixing = ["MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"]
+    return 128 * 2**10 if any(key in env for key in fixing) else 32 * 2**20
+
+
+# Read once: glibc reads its settings when the process starts
+GLIBC_MMAP_THRESHOLD = _glibc_mmap_threshold()
+
+
+def socket_buffer(size: int) -> memoryview:
+    """Memory to read a frame that comes on a comm's socket into: glibc's,
+    unless glibc would map it afresh"""
+    if size < GLIBC_MMAP_THRESHOLD:
+        return host_array(size)
+    return host_buffer(size)
 
 
 def host_buffer(size: int) -> memoryview:

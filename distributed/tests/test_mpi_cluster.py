@@ -23,7 +23,7 @@ np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
 from distributed import Client, LocalCluster, Scheduler
-from distributed.comm import get_address_host, mpi_channel
+from distributed.comm import get_address_host, mpi_buffers, mpi_channel
 from distributed.utils import open_port
 from distributed.utils_test import gen_test
 from distributed.comm.tests.mpi_processes import (
@@ -250,6 +250,10 @@ def test_local_cluster(start):
         assert client.scheduler.address.startswith("mpi://")
         client.wait_for_workers(2, timeout=60)
         assert_moves_data(client)
+        # A nanny's MALLOC_TRIM_THRESHOLD_ has glibc map each buffer from
+        # 128 KiB: its worker reads such frames into recycled memory
+        thresholds = client.run(lambda: mpi_buffers.GLIBC_MMAP_THRESHOLD)
+        assert set(thresholds.values()) == {128 * 2**10}
 
         cluster.scale(3)
         client.wait_for_workers(3, timeout=60)

@@ -727,20 +727,57 @@ async def test_frames_received_into_freed_memory_keep_their_values():
 
 @gen_test()
 async def test_frames_on_the_socket_are_received_into_recycled_memory():
-    """Not only those over MPI: under a nanny (``MALLOC_TRIM_THRESHOLD_``),
-    glibc maps every buffer of 128 KiB or more afresh"""
+    """Not only those over MPI, where glibc would map each afresh: under a
+    nanny (``MALLOC_TRIM_THRESHOLD_``), every one of 128 KiB or more"""
     mpi_buffers._freed.clear()  # what earlier tests freed
+    threshold = mpi_buffers.GLIBC_MMAP_THRESHOLD
     frame = np.arange(2**17, dtype="u4")  # 512 KiB: below inline-size
-    async with comm_pair() as (a, b):
-        await a.write({"x": to_serialize(frame)})
-        got = (await b.read())["x"]
-        assert b.channel is None  # it came on the socket
-        del got
-        assert [capacity for capacity, _, _ in mpi_buffers._freed] == [2 * 2**20]
-        await a.write({"x": to_serialize(frame)})
-        got = (await b.read())["x"]
-        assert not mpi_buffers._freed  # taken again
-        np.testing.assert_array_equal(got, frame)
+    try:
+        async with comm_pair() as (a, b):
+            mpi_buffers.GLIBC_MMAP_THRESHOLD = 128 * 2**10  # as under a nanny
+            await a.write({"x": to_serialize(frame)})
+            got = (await b.read())["x"]
+            assert b.channel is None  # it came on the socket
+            del got
+            assert [capacity for capacity, _, _ in mpi_buffers._freed] == [2 * 2**20]
+            await a.write({"x": to_serialize(frame)})
+            got = (await b.read())["x"]
+            assert not mpi_buffers._freed  # taken again
+            np.testing.assert_array_equal(got, frame)
+            del got
+
+            # Where glibc serves it from its heap, so does the comm
+            mpi_buffers.GLIBC_MMAP_THRESHOLD = 32 * 2**20
+            await a.write({"x": to_serialize(frame)})
+            got = (await b.read())["x"]
+            np.testing.assert_array_equal(got, frame)
+            assert address_of(got) % (2 * 2**20) != 0  # not in a mapping of ours
+            del got
+            assert len(mpi_buffers._freed) == 1  # the one freed above, alone
+    finally:
+        mpi_buffers.GLIBC_MMAP_THRESHOLD = threshold
+
+
+@pytest.mark.parametrize(
+    "env, threshold",
+    [
+        ({}, 32 * 2**20),
+        ({"MALLOC_TRIM_THRESHOLD_": "65536"}, 128 * 2**10),  # a nanny's
+        ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, 2**20),
+    ],
+)
+def test_glibc_mmap_threshold_is_read_from_the_environment(env, threshold):
+    code = "from distributed.comm import mpi_buffers; print(mpi_buffers.GLIBC_MMAP_THRESHOLD)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert int(out) == threshold
 
 
 def test_receive_buffer_comes_from_the_heap_when_no_mapping_can_be_made():
