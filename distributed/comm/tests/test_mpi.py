@@ -767,7 +767,10 @@ async def test_frames_on_the_socket_are_received_into_recycled_memory():
     ],
 )
 def test_glibc_mmap_threshold_is_read_from_the_environment(env, threshold):
-    code = "from distributed.comm import mpi_buffers; print(mpi_buffers.GLIBC_MMAP_THRESHOLD)"
+    code = (
+        "from distributed.comm import mpi_buffers; "
+        "print(mpi_buffers.GLIBC_MMAP_THRESHOLD)"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
     out = subprocess.run(
         [sys.executable, "-c", code],
