@@ -91,6 +91,18 @@ async def assert_serves(listener):
     await comm.close()
 
 
+def python_output(code: str, env: dict | None = None) -> str:
+    """What ``python -c code`` prints, in a process of its own"""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
 def test_registered():
     assert "mpi" in backends
     backend = backends["mpi"]
@@ -115,14 +127,7 @@ def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
         "print(sorted(k for k in os.environ if k.startswith('PMI')))"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        check=True,
-        timeout=60,
-        capture_output=True,
-        text=True,
-    ).stdout
+    out = python_output(code, env)
     assert out.strip() == "[]", out
 
 
@@ -772,14 +777,7 @@ def test_glibc_mmap_threshold_is_read_from_the_environment(env, threshold):
         "print(mpi_buffers.GLIBC_MMAP_THRESHOLD)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        check=True,
-        timeout=60,
-        capture_output=True,
-        text=True,
-    ).stdout
+    out = python_output(code, env)
     assert int(out) == threshold
 
 
@@ -803,13 +801,7 @@ def test_receive_buffer_comes_from_the_heap_when_no_mapping_can_be_made():
 
         asyncio.run(receive())
     """
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        timeout=60,
-        capture_output=True,
-        text=True,
-    ).stdout
+    out = python_output(code)
     assert out.split() == [str(3 * 2**19), "True", str(7 * 3 * 2**19)], out
 
 
