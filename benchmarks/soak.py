@@ -229,6 +229,8 @@ class Soak:
     def start_worker(self, name: str) -> subprocess.Popen:
         argv = ["-m", "distributed.cli.dask_worker", "--scheduler-file"]
         argv += [self.sched_file, "--no-nanny", "--nthreads", "1", "--no-dashboard"]
+        # Killed workers leave their directories: in ``tmp``, removed after
+        argv += ["--local-directory", self.tmp]
         return self.start(name, [*argv, "--name", name])
 
     def wait_joined(self, name: str, job: subprocess.Popen) -> str:
