@@ -319,13 +319,45 @@ class ProgressEngine:
         self._transfers.clear()
 
     def _test_transfers(self, now: float) -> bool:
-        # Any completed request counts as progress: frames are sent in chunks,
-        # so the engine keeps polling without sleeping while data flows.
-        progressed = False
-        for fut, entry in list(self._transfers.items()):
-            self.drop_dead_senders()
-            if fut in self._transfers:  # unless its sender died
-                progressed |= self._test(fut, entry, now)
+        """Test every transfer in one call into MPI, after one check of the
+        senders: a call per transfer, each after its own check, cost the
+        square of their number in each poll.  Any completed request counts
+        as progress: frames are sent in chunks, so the engine keeps polling
+        without sleeping while data flows."""
+        self.drop_dead_senders()
+        entries = list(self._transfers.items())
+        if not entries:  # their senders died
+            return False
+        if len(entries) == 1:
+            return self._test(*entries[0], now)
+        requests = [request for _, entry in entries for request in entry.requests]
+        statuses: list = []
+        try:
+            completed = self.MPI.Request.Testsome(requests, statuses)
+        except self.MPI.Exception:
+            # One of them failed: test each alone to find which
+            progressed = False
+            for fut, entry in entries:
+                self.drop_dead_senders()
+                if fut in self._transfers:
+                    progressed |= self._test(fut, entry, now)
+            return progressed
+        if completed is None:  # none was left active
+            for fut, entry in entries:
+                self._settle(fut, entry, None, [], now)
+            return True
+        # Each transfer's share of what completed, in its own indices
+        progressed, start, done = False, 0, iter(zip(completed, statuses))
+        index, status = next(done, (None, None))
+        for fut, entry in entries:
+            end = start + len(entry.requests)
+            mine, theirs = [], []
+            while index is not None and index < end:
+                mine.append(index - start)
+                theirs.append(status)
+                index, status = next(done, (None, None))
+            progressed |= self._settle(fut, entry, mine, theirs, now)
+            start = end
         return progressed
 
     def _test(self, fut: asyncio.Future, entry: _Transfer, now: float) -> bool:
@@ -337,6 +369,19 @@ class ProgressEngine:
             del self._transfers[fut]
             fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
             return True
+        return self._settle(fut, entry, completed, statuses, now)
+
+    def _settle(
+        self,
+        fut: asyncio.Future,
+        entry: _Transfer,
+        completed: list[int] | None,
+        statuses: list | None,
+        now: float,
+    ) -> bool:
+        """Act on a test of one transfer, whose requests at ``completed``
+        completed with ``statuses`` (None: none was left active); whether
+        any did"""
         if completed and entry.sizes:
             if wrong := self._wrong_size(completed, statuses, entry.sizes):
                 self.cancel(fut, CommClosedError(wrong))
@@ -365,15 +410,27 @@ class ProgressEngine:
         return None
 
     def _test_orphans(self, now: float) -> None:
+        """Test the abandoned transfers in one call into MPI, as
+        :meth:`_test_transfers` does; cancel those past their deadline"""
+        self.drop_dead_senders()
+        everything = [request for orphan in self._orphans for request in orphan[0]]
+        try:
+            self.MPI.Request.Testsome(everything)
+            alone = False
+        except self.MPI.Exception:
+            alone = True  # one of them failed: test each alone
         pending = []
         for orphan in self._orphans:
             requests, _, deadline, _ = orphan
-            self.drop_dead_senders()
             try:
-                if self.MPI.Request.Testall(requests):
+                if alone:
+                    self.drop_dead_senders()
+                    if self.MPI.Request.Testall(requests):
+                        continue
+                elif not any(requests):  # Testsome nulled the completed
                     continue
                 if now > deadline:
-                    for request in requests:
+                    for request in filter(None, requests):  # not completed
                         request.Cancel()
             except self.MPI.Exception:
                 continue

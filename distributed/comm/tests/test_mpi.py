@@ -442,6 +442,83 @@ async def test_receive_that_gets_fewer_bytes_than_its_size_fails():
 
 
 @gen_test()
+async def test_transfers_in_flight_together_each_complete_with_their_own_bytes():
+    """The engine tests all transfers in flight in one call into MPI: each
+    one completes when its own requests have, whatever order their sends
+    come in, and a receive that gets the wrong size fails alone"""
+    from distributed.comm.mpi_progress import ProgressEngine
+    from distributed.comm.mpi_startup import mpi_ready
+
+    MPI = await mpi_ready()
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        engine = ProgressEngine.current()
+        # Each message in two chunks, so that a transfer has several requests
+        received = [np.zeros(200 * (i + 1), "u1") for i in range(6)]
+        receives = []
+        for i, frame in enumerate(received):
+            halves = np.split(frame, 2)
+            requests = [
+                comm.Irecv([h, MPI.BYTE], 0, 2 * i + k) for k, h in enumerate(halves)
+            ]
+            sizes = [h.nbytes for h in halves]
+            receives.append(engine.receive(requests, halves, None, sizes))
+        sends = []
+        for i in reversed(range(len(received))):  # one per loop iteration
+            await asyncio.sleep(0)
+            sent = np.full(received[i].nbytes, i + 1, "u1")
+            if i == 3:
+                sent = sent[:-1]  # its second chunk is a byte short
+            halves = np.array_split(sent, [received[i].nbytes // 2])
+            requests = [
+                comm.Isend([h, MPI.BYTE], 0, 2 * i + k) for k, h in enumerate(halves)
+            ]
+            sends.append(engine.transfer(requests, halves))
+        results = await asyncio.gather(*receives, return_exceptions=True)
+        await asyncio.gather(*sends)
+        assert isinstance(results[3], CommClosedError)
+        assert "delivered 399 bytes to a receive of 400" in str(results[3])
+        for i, (result, frame) in enumerate(zip(results, received)):
+            if i != 3:
+                assert result is None
+                assert (frame == i + 1).all()
+        assert engine.pending() == 0
+    finally:
+        comm.Free()
+
+
+@gen_test()
+async def test_abandoned_receive_half_done_is_cancelled_after_its_deadline():
+    """A transfer abandoned after some of its chunks arrived: past the
+    connect timeout the engine cancels the chunks still waiting (not the
+    completed ones, which MPI no longer knows), so that no later message
+    lands in a buffer it dropped"""
+    from distributed.comm.mpi_progress import ProgressEngine
+    from distributed.comm.mpi_startup import mpi_ready
+
+    MPI = await mpi_ready()
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        with dask.config.set({"distributed.comm.timeouts.connect": "100ms"}):
+            engine = ProgressEngine.current()
+        halves = [np.zeros(100, "u1"), np.zeros(100, "u1")]
+        requests = [comm.Irecv([h, MPI.BYTE], 0, 1 + k) for k, h in enumerate(halves)]
+        comm.Send([np.ones(100, "u1"), MPI.BYTE], 0, 1)  # the first half only
+        fut = engine.receive(requests, halves, None, [100, 100])
+        await async_poll_for(lambda: not requests[0], timeout=5)
+        engine.abandon(fut)
+        await async_poll_for(lambda: engine.pending() == 0, timeout=5)
+        # The second half's receive is gone: a new one gets its message
+        late = np.zeros(100, "u1")
+        fresh = comm.Irecv([late, MPI.BYTE], 0, 2)
+        comm.Send([np.full(100, 7, "u1"), MPI.BYTE], 0, 2)
+        await async_poll_for(fresh.Test, timeout=5)
+        assert (late == 7).all() and (halves[1] == 0).all()
+    finally:
+        comm.Free()
+
+
+@gen_test()
 async def test_abort_fails_pending_read():
     async with echoing() as comm:
         pending = asyncio.ensure_future(comm.read())
