@@ -2,7 +2,7 @@
 
     python benchmarks/workloads.py [--quick] [--out benchmarks/results]
         [--rounds 2] [--repeat 5] [--threads 1] [--modes LocalCluster,mpiexec]
-        [--only transpose_sum,...]
+        [--only transpose_sum,...] [--control]
 
 Each workload computes while its processes communicate:
 
@@ -43,6 +43,10 @@ including each worker's share to itself), CPU seconds of the scheduler (and
 the client, in LocalCluster) and the workers, and on mpi:// the bytes of frames
 that went over MPI channels between workers (the others went on the comms' TCP
 connections).
+
+``--control`` runs ``tcp://`` in ``mpi://``'s place as well, the same way: its
+ratios show how far two runs of one transport land apart on this machine, the
+noise against which the ratios of a real run are read.
 
 Every cluster runs in a child process of its own (``workloads.py run MODE
 PROTOCOL``) with a timeout, so that MPI started in one run cannot touch the
@@ -571,6 +575,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--only", default=",".join(NAMES))
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run tcp:// in mpi://'s place too: the ratios then show how much "
+        "two runs of one transport differ on this machine",
+    )
     args = parser.parse_args()
     args.only = args.only.split(",")
     if set(args.only) - set(NAMES) or set(args.modes.split(",")) - set(MODES):
@@ -583,6 +593,7 @@ def main() -> None:
     results = {
         "machine": pingpong.versions(),
         "quick": args.quick,
+        "control": args.control,
         "settings": {
             "workers": WORKERS,
             "threads": args.threads,
@@ -606,7 +617,8 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-                result = one_run(mode, protocol, args, timeout)
+                ran = "tcp" if args.control else protocol
+                result = one_run(mode, ran, args, timeout)
                 result["round"] = rnd + 1
                 results["runs"][mode][f"{protocol}://"].append(result)
                 results["order"].append([rnd + 1, mode, f"{protocol}://"])
@@ -616,6 +628,8 @@ def main() -> None:
         json.dump(results, f, indent=1)
     plot(results, args.out)
     print_table(results)
+    if args.control:
+        print("control: tcp:// ran in mpi://'s place")
     print(f"({results['seconds']:.0f} s in all)")
     failed = [
         (m, p)
@@ -637,6 +651,12 @@ def child() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default=",".join(NAMES))
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run tcp:// in mpi://'s place too: the ratios then show how much "
+        "two runs of one transport differ on this machine",
+    )
     args = parser.parse_args()
     result = run(
         args.mode,
