@@ -29,6 +29,7 @@ more (``mpi_startup.stop_mpi``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import math
 import weakref
@@ -330,7 +331,10 @@ class ProgressEngine:
             return False
         if len(entries) == 1:
             return self._test(*entries[0], now)
-        requests = [request for _, entry in entries for request in entry.requests]
+        requests, starts = [], []  # where each transfer's requests start
+        for _, entry in entries:
+            starts.append(len(requests))
+            requests += entry.requests
         statuses: list = []
         try:
             completed = self.MPI.Request.Testsome(requests, statuses)
@@ -347,17 +351,14 @@ class ProgressEngine:
                 self._settle(fut, entry, None, [], now)
             return True
         # Each transfer's share of what completed, in its own indices
-        progressed, start, done = False, 0, iter(zip(completed, statuses))
-        index, status = next(done, (None, None))
-        for fut, entry in entries:
-            end = start + len(entry.requests)
-            mine, theirs = [], []
-            while index is not None and index < end:
-                mine.append(index - start)
-                theirs.append(status)
-                index, status = next(done, (None, None))
+        shares: list[tuple[list, list]] = [([], []) for _ in entries]
+        for index, status in zip(completed, statuses):
+            n = bisect.bisect_right(starts, index) - 1
+            shares[n][0].append(index - starts[n])
+            shares[n][1].append(status)
+        progressed = False
+        for (fut, entry), (mine, theirs) in zip(entries, shares):
             progressed |= self._settle(fut, entry, mine, theirs, now)
-            start = end
         return progressed
 
     def _test(self, fut: asyncio.Future, entry: _Transfer, now: float) -> bool:
