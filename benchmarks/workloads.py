@@ -651,12 +651,6 @@ def child() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default=",".join(NAMES))
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="run tcp:// in mpi://'s place too: the ratios then show how much "
-        "two runs of one transport differ on this machine",
-    )
     args = parser.parse_args()
     result = run(
         args.mode,
