@@ -38,7 +38,12 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
-from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
+from distributed.comm import (
+    mpi_copy,
+    mpi_gpu,
+    mpi_handshake as handshake,
+    mpi_startup,
+)
 from distributed.comm.addressing import (
     get_address_host,
     parse_host_port,
@@ -66,19 +71,25 @@ logger = logging.getLogger(__name__)
 
 class Head(NamedTuple):
     """The first frame of a message some of whose frames travel over MPI, or
-    whose writer wants a channel opened: which frames, on which channel and
-    tag.  The message's other frames follow it on TCP, in order.  Other
-    messages go as ``tcp://`` writes them: their first frame is msgpack,
-    which never starts with the byte that a head starts with."""
+    are copied from the writer's memory, or whose writer wants a channel
+    opened: which frames, on which channel and tag.  The message's other
+    frames follow it on TCP, in order.  Other messages go as ``tcp://``
+    writes them: their first frame is msgpack, which never starts with the
+    byte that a head starts with."""
 
     want_channel: bool
     channel: int  # Channel.id; 0 if no frame travels over MPI
     tag: int
-    frames: list[tuple[int, int, int]]  # index, size, location of those that do
+    frames: list[tuple[int, int, int]]  # index, size, location of those over MPI
+    # index, size, address of those the reader copies from the writer's memory
+    copies: list[tuple[int, int, int]] = []
+    lease: tuple[int, int] = (0, 0)  # of the copies: mpi_copy.Lease.head
 
     MARK = 0xC1  # "never used" in msgpack
-    _FIXED = struct.Struct("<BBxxIQI")  # MARK, flags, len(frames), channel, tag
+    # MARK, flags, len(frames), channel, tag, len(copies), lease
+    _FIXED = struct.Struct("<BBxxIQIIQQ")
     _FRAME = struct.Struct("<IQB")
+    _COPY = struct.Struct("<IQQ")
 
     def pack(self) -> bytes:
         return b"".join(
@@ -89,19 +100,27 @@ class Head(NamedTuple):
                     len(self.frames),
                     self.channel,
                     self.tag,
+                    len(self.copies),
+                    *self.lease,
                 ),
                 *(self._FRAME.pack(*frame) for frame in self.frames),
+                *(self._COPY.pack(*copy) for copy in self.copies),
             ]
         )
 
     @classmethod
     def unpack(cls, data) -> Head:
-        _, want, n, channel, tag = cls._FIXED.unpack_from(data)
+        _, want, n, channel, tag, ncopies, *lease = cls._FIXED.unpack_from(data)
+        offset = cls._FIXED.size
         frames = [
-            cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
-            for i in range(n)
+            cls._FRAME.unpack_from(data, offset + i * cls._FRAME.size) for i in range(n)
         ]
-        return cls(bool(want), channel, tag, frames)
+        offset += n * cls._FRAME.size
+        copies = [
+            cls._COPY.unpack_from(data, offset + i * cls._COPY.size)
+            for i in range(ncopies)
+        ]
+        return cls(bool(want), channel, tag, frames, copies, tuple(lease))
 
 
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
@@ -224,9 +243,10 @@ class MPI(TCP):
         return socket_buffer(nbytes)
 
     async def _receive(self, head: Head, frames: list) -> list:
-        """Receive the frames of a message that travel over MPI, and put them
-        in their places among those that came over TCP"""
-        if not head.frames:
+        """Receive the frames of a message that travel over MPI, copy those
+        to copy from the writer's memory, and put them in their places among
+        those that came over TCP"""
+        if not (head.frames or head.copies):
             return frames
         route, channel = self._route, channels.by_id(head.channel)
         if channel is None or route is None:
@@ -239,11 +259,15 @@ class MPI(TCP):
                 f"{self}: the peer sent GPU frames, which this process cannot "
                 "hold (it has no GPU or no CuPy)"
             )
+        if head.copies and channel.sender is None:
+            self.abort()
+            raise CommClosedError(f"{self}: frames to copy from another host")
         self._use(channel)
         received = [
             mpi_gpu.device_buffer(size) if where else host_buffer(size)
             for _, size, where in head.frames
         ]
+        copied = [host_buffer(size) for _, size, _ in head.copies]
         if on_device:
             mpi_gpu.synchronize()  # the allocations, before anything writes
         post = self._poster(channel, head.tag, receive=True)
@@ -261,21 +285,47 @@ class MPI(TCP):
                     chunks += _chunks(frame, route.chunk_size)
             if chunks:
                 pending.append(post(chunks))
+            for frame, (_, _, address) in zip(copied, head.copies):
+                await mpi_copy.copy(channel.sender, address, frame, route.chunk_size)
             for fut in pending:
                 await fut
+            if head.copies:
+                mpi_copy.check_lease(channel.sender, *head.lease)
+                self._acknowledge(channel, head.tag)
         except Stalled:
             self._stalled(channel)
             raise CommClosedError(f"{self}: MPI stopped delivering")
+        except CommClosedError:
+            self.abort()
+            raise
         except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while reading: {e}") from e
+        except OSError as e:  # of a copy
+            self.abort()
+            raise CommClosedError(
+                f"{self}: cannot copy the message's frames from the writer's "
+                f"memory: {mpi_copy.why(e)}"
+            ) from e
         except BaseException:
             self.abort()  # cancelled half-way: the stream's position is unknown
             raise
-        for (index, size, _), frame in zip(head.frames, received):
+        indices = [index for index, _, _ in head.frames + head.copies]
+        for index, frame in sorted(zip(indices, received + copied)):
             frames.insert(index, frame)
-            channel.nbytes += size
+        channel.nbytes += sum(size for _, size, _ in head.frames + head.copies)
         return frames
+
+    def _acknowledge(self, channel: Channel, tag: int) -> None:
+        """Tell the writer that its frames were copied: it frees them"""
+        if channel.sender.died():
+            return  # nobody to tell
+        engine = self._engine
+        engine.drop_dead_senders()  # before any call into MPI
+        done = [mpi_copy.NOTHING, 0, engine.MPI.BYTE]
+        request = channel.comm.Isend(done, channel.rank, tag)
+        if not request.Test():
+            engine.orphan([request])
 
     async def write(self, msg, serializers=None, on_error="message"):
         # Every message passes here: each line costs a little on every
@@ -327,7 +377,13 @@ class MPI(TCP):
     async def _write_over_mpi(self, channel: Channel, frames: list, large: list):
         self._use(channel)
         tag = channel.tag()
+        if channel.peer_copies:  # host frames: the reader copies them
+            copied = [i for i in large if not mpi_gpu.is_device(frames[i])]
+            large = [i for i in large if mpi_gpu.is_device(frames[i])]
+        else:
+            copied = []
         over_mpi = [frames[i] for i in large]
+        lease = mpi_copy.Lease([frames[i] for i in copied]) if copied else None
         head = Head(
             False,
             channel.id,
@@ -336,12 +392,15 @@ class MPI(TCP):
                 (i, mpi_gpu.nbytes(f), mpi_gpu.location(f))
                 for i, f in zip(large, over_mpi)
             ],
+            [(i, frames[i].nbytes, mpi_copy.address(frames[i])) for i in copied],
+            lease.head if lease else (0, 0),
         )
         # Like a TCP comm's write, return once the message is queued: the
-        # engine keeps the frames until MPI has sent them
-        sent = sum(size for _, size, _ in head.frames)
+        # engine keeps the frames until MPI has sent them, or the reader
+        # copied them
+        sent = sum(size for _, size, _ in head.frames + head.copies)
         channel.nbytes += sent
-        skip = set(large)
+        skip = {*large, *copied}
         inline = [f for i, f in enumerate(frames) if i not in skip]
         on_device = any(where for _, _, where in head.frames)
         staged = on_device and self._route.gpu == "staged"
@@ -349,10 +408,13 @@ class MPI(TCP):
             mpi_gpu.synchronize(over_mpi)  # their producers are done
         post = self._poster(channel, tag, receive=False)
         try:
+            if lease is not None:
+                self._lend(channel, tag, lease)
             if not staged:
                 # Sends first: MPI moves the data while the head travels
                 sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
-                post([chunk for chunks in sends for chunk in chunks])
+                if sends:
+                    post([chunk for chunks in sends for chunk in chunks])
                 return self.write_frames([head.pack(), *inline]) + sent
             async with self._posting:  # a staged frame posts as it goes
                 nbytes = self.write_frames([head.pack(), *inline])
@@ -370,6 +432,19 @@ class MPI(TCP):
             self.abort()  # the peer cannot tell what was sent
             raise
         return nbytes + sent
+
+    def _lend(self, channel: Channel, tag: int, lease: mpi_copy.Lease) -> None:
+        """Keep the frames that the reader copies until it says, with an
+        empty message on the channel, that it has them"""
+        if self.closed():
+            raise CommClosedError(f"{self} is closed")
+        engine = self._engine = self._engine or ProgressEngine.current()
+        done = [mpi_copy.NOTHING, 0, engine.MPI.BYTE]
+        request = channel.comm.Irecv(done, channel.rank, tag)
+        fut = engine.transfer([request], lease, local=True, sender=channel.sender)
+        if not fut.done():
+            self._sends.add(fut)
+            fut.add_done_callback(self._sent)
 
     def _poster(self, channel: Channel, tag: int, receive: bool):
         """A function that posts the transfer of some chunks of a message,

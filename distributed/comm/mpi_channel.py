@@ -121,6 +121,9 @@ class Channel:
         self.rank = rank  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
         self.nbytes = 0  # of the frames it moved, both ways
+        # The peer, on this host, copies large host frames from this
+        # process's memory itself: they do not go through MPI
+        self.peer_copies = False
         MPI = get_mpi()
         self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 2
         # Each end tags from its own half of the tag space.  MPI reuses the
@@ -354,8 +357,14 @@ class Channels:
             channel = Channel(id, peer, comm, rank, accepts)
             self._add(channel)  # before any message head can name it
         try:
-            await handshake.send(stream, {"opened": error is None})
-            opened = (await handshake.recv(stream)).get("opened") is True
+            # Each end says whether it can copy from the other's memory
+            await handshake.send(
+                stream, {"opened": error is None, "copies": _can_copy_from(peer)}
+            )
+            reply = await handshake.recv(stream)
+            opened = reply.get("opened") is True
+            if comm is not None:
+                channel.peer_copies = reply.get("copies") is True
         except BaseException:
             if comm is not None:
                 self.release(channel, later=False)
@@ -529,6 +538,15 @@ def _join(peer_rank: int, acceptor: str):
     finally:
         group.Free()
     return comm, ranks.index(peer_rank)
+
+
+def _can_copy_from(peer: dict) -> bool:
+    """Whether this process will copy the large host frames that ``peer``
+    writes to it straight from its memory (``local-copy``)"""
+    if not config("local-copy"):
+        return False
+    local = LocalPeer.find(peer)
+    return local is not None and local.readable()
 
 
 def _stuck_in_mpi(call: str, seconds: float) -> None:

@@ -1,4 +1,11 @@
-"""Whether a peer process on this host still has its memory.
+"""Whether a peer process on this host still has its memory, and copies
+from it.
+
+Between processes of one host that can read each other's memory, a large
+frame does not go through MPI: its reader copies it straight from the
+writer's memory (:meth:`LocalPeer.read`), and gets an error, not an abort,
+if the writer died.  For the frames that do go through MPI (GPU frames, or
+where ``direct-copy`` is off):
 
 UCX, MPICH's default netmod, copies a message straight out of the memory of a
 sender on the same host (CMA, ``process_vm_readv``), and aborts the process
@@ -75,6 +82,28 @@ class LocalPeer:
             self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0
         )
         return read < 0 and ctypes.get_errno() == errno.ESRCH
+
+    def readable(self) -> bool:
+        """Whether this process may read the peer's memory (the kernel's
+        ptrace rules: same user, Yama's ``ptrace_scope``, seccomp)"""
+        read = _process_vm_readv(
+            self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0
+        )
+        return read == 1
+
+    def read(self, address: int, into: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``address`` in the peer's memory to ``into`` in
+        this process's; OSError if they cannot all be read: ``ESRCH`` if the
+        peer died, ``EFAULT`` if it no longer has them"""
+        while nbytes:
+            local, remote = _IOVec(into, nbytes), _IOVec(address, nbytes)
+            n = _process_vm_readv(
+                self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0
+            )
+            if n <= 0:  # 0: a partial read that read nothing
+                code = ctypes.get_errno() if n < 0 else errno.EFAULT
+                raise OSError(code, os.strerror(code))
+            address, into, nbytes = address + n, into + n, nbytes - n
 
 
 def hung_up(sock: socket.socket) -> bool:

@@ -134,12 +134,18 @@ class ProgressEngine:
         self._delay = 0.0
 
     def transfer(
-        self, requests: list, keepalive: Any = None, local: bool = False
+        self,
+        requests: list,
+        keepalive: Any = None,
+        local: bool = False,
+        sender: LocalPeer | None = None,
     ) -> asyncio.Future:
         """A future that is done when all ``requests`` have completed;
         ``keepalive`` (their buffers) is referenced until then.  ``local``:
-        sends to a process on this host, which copies the data itself"""
-        return self._add(requests, keepalive, not local, None, None)
+        with a process on this host, which copies the data itself.
+        ``sender``: of receives from a process on this host, which fail
+        should it die"""
+        return self._add(requests, keepalive, not local, sender, None)
 
     def receive(
         self,
@@ -218,11 +224,8 @@ class ProgressEngine:
             entry.busy = False  # nobody waits for it
             self._transfers[self._loop.create_future()] = entry
         elif entry is not None:
-            for request in entry.requests if mpi_stopped() is None else ():
-                try:
-                    request.Cancel()
-                except self.MPI.Exception:
-                    pass  # completed already, or not cancellable
+            if mpi_stopped() is None:
+                _cancel(self.MPI, entry.requests)
             self.orphan(entry.requests, entry.keepalive, entry.sender)
         if not fut.done():
             fut.set_exception(exc)
@@ -301,8 +304,10 @@ class ProgressEngine:
                 if died(entry.sender):
                     self.cancel(fut, CommClosedError("the peer process died"))
             for requests, _, _, sender in self._orphans:
-                if died(sender) and stop_if_doomed(requests, self._complete):
-                    break
+                if died(sender):
+                    _cancel(self.MPI, requests)
+                    if stop_if_doomed(requests, self._complete):
+                        break
         if mpi_stopped() is not None:
             self._fail_all()
             raise MPIStopped(f"MPI is stopped in this process: {mpi_stopped()}")
@@ -437,6 +442,14 @@ class ProgressEngine:
                 continue
             pending.append(orphan)
         self._orphans = pending
+
+
+def _cancel(MPI, requests: list) -> None:
+    for request in filter(None, requests):  # not completed
+        try:
+            request.Cancel()
+        except MPI.Exception:
+            pass  # not cancellable
 
 
 def left_in_flight() -> list[tuple[list, Any, LocalPeer | None]]:

@@ -11,7 +11,8 @@ digests of the :class:`OnDevice` items of ``x``, ``x`` itself, and the
 only there and back, where a fault on the way out could undo one on the way
 back.
 
-``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
+``{"op": "write-and-abort", "size": n}`` makes it write n bytes and abort the
+comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
 normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
 MPI transfers are not complete.  ``{"op": "drop", ...}`` gets no answer.
 
@@ -93,6 +94,9 @@ cuda_serialize.register(OnDevice)(lambda x: ({}, [x.frame]))
 cuda_deserialize.register(OnDevice)(lambda header, frames: OnDevice(frames[0]))
 
 
+_kept: list = []
+
+
 async def handle(comm):
     try:
         while True:
@@ -101,6 +105,13 @@ async def handle(comm):
                 await asyncio.Event().wait()
             if isinstance(msg, dict) and msg.get("op") == "drop":
                 continue
+            if isinstance(msg, dict) and msg.get("op") == "write-and-abort":
+                # The frame stays in memory as it was: only the lease says
+                # that it was given up
+                _kept.append(np.ones(msg["size"], "u1"))
+                await comm.write({"x": to_serialize(_kept[-1])})
+                comm.abort()
+                return
             if isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
             elif isinstance(msg, dict) and msg.get("op") == "echo":

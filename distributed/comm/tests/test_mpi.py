@@ -208,6 +208,18 @@ async def test_no_message_starts_as_a_head_does():
     assert Head(False, 1, 2, [(0, 10, 0)]).pack()[0] == Head.MARK
 
 
+def test_message_head_comes_back_as_it_was_packed():
+    heads = [
+        Head(True, 0, 0, []),
+        Head(False, 2**63 - 1, 2**31 - 1, [(0, 10, 0), (3, 2**40, 1)]),
+        Head(
+            False, 7, 8, [(1, 5, 1)], [(0, 2**20, 2**47), (2, 3, 5)], (2**47, 2**64 - 1)
+        ),
+    ]
+    for head in heads:
+        assert Head.unpack(head.pack()) == head
+
+
 @gen_test()
 async def test_client_server_round_trips():
     async with listen("mpi://127.0.0.1:0", echo) as listener:

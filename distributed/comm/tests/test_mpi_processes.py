@@ -19,8 +19,9 @@ np = pytest.importorskip("numpy")
 import dask
 
 from distributed import Client, Scheduler
-from distributed.comm import CommClosedError, connect, mpi_channel
+from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
 from distributed.comm.mpi import Head
+from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
 from distributed.protocol import to_serialize
@@ -112,6 +113,95 @@ async def test_killed_peer_fails_pending_read(server):
         await asyncio.wait_for(pending, 30)
     with pytest.raises(CommClosedError):
         await comm.write("anyone?")
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The bytes this process copies from the memory of writers on its host"""
+    copied = []
+    read = LocalPeer.read
+
+    def counted(self, address, into, nbytes):
+        read(self, address, into, nbytes)
+        copied.append(nbytes)
+
+    monkeypatch.setattr(LocalPeer, "read", counted)
+    return copied
+
+
+@pytest.mark.parametrize("local_copy", [True, False])
+@gen_test(timeout=120)
+async def test_large_frames_between_processes_of_one_host_are_copied(
+    server, copies, local_copy
+):
+    """The reader copies them from the writer's memory, unless it says not
+    to (local-copy: false): then they come through MPI, in that direction
+    only"""
+    address, _ = server
+    with dask.config.set({"distributed.comm.mpi.local-copy": local_copy}):
+        comm = await connect(address)
+        for _ in range(3):  # the first large frames ask for a channel
+            array = np.random.randint(0, 100, 2_000_000)  # 16 MB
+            await comm.write({"op": "echo", "x": array})
+            np.testing.assert_array_equal((await comm.read())["x"], array)
+    assert comm.channel.peer_copies  # the peer copied what this one wrote
+    assert (sum(copies) >= array.nbytes) is local_copy
+    assert comm.channel.nbytes >= 4 * array.nbytes
+    await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_writer_that_dies_while_its_frame_is_copied_fails_the_read(
+    server, tmp_path, monkeypatch
+):
+    """The reader gets an error, where MPI (UCX's CMA) would abort it, and
+    goes on using MPI with others"""
+    address, proc = server
+    comm = await connect(address)
+    array = np.random.randint(0, 100, 2_000_000)
+    while comm.channel is None:
+        await comm.write({"op": "echo", "x": array})
+        await comm.read()
+    read = LocalPeer.read
+
+    def read_then_kill(self, address, into, nbytes):
+        read(self, address, into, nbytes)
+        if not self.died():
+            proc.crash()  # half-way through the frame: 4 of its 16 MB
+
+    monkeypatch.setattr(LocalPeer, "read", read_then_kill)
+    await comm.write({"op": "echo", "x": array})
+    with pytest.raises(CommClosedError, match="the peer process died"):
+        await comm.read()
+    monkeypatch.undo()
+    assert mpi_startup.mpi_stopped() is None
+    path = str(tmp_path / "other")
+    with mpiexec([*PEER, "serve", path]) as other:
+        comm = await connect(wait_for_file(path, other))
+        for _ in range(3):
+            await comm.write({"op": "sum", "x": array})
+            assert (await comm.read())["sum"] == array.sum()
+        assert comm.channel is not None
+        await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_frame_that_its_writer_gave_up_is_not_returned(server, copies):
+    """A writer that aborted its comm frees the frames of the message it
+    wrote: one that the reader copies then may be anything.  The writer
+    marks the message given up, and the reader fails (here the frame's
+    memory is still as it was)"""
+    address, _ = server
+    comm = await connect(address)
+    array = np.random.randint(0, 100, 2_000_000)
+    while comm.channel is None:
+        await comm.write({"op": "echo", "x": array})
+        await comm.read()
+    await comm.write({"op": "write-and-abort", "size": 8_000_000})
+    await asyncio.sleep(1)  # the writer has given it up
+    with pytest.raises(CommClosedError, match="the writer gave the message up"):
+        await comm.read()
+    assert sum(copies) >= 8_000_000  # it was copied, then refused
 
 
 def _can_unshare_pid() -> bool:
