@@ -10,7 +10,9 @@ message arrives, and nothing polls MPI while no data moves.  Frames of at least
 their sends as it writes the head, and the reader posts the receives as soon
 as it reads it, into buffers of the right size (the rendezvous of UCX and
 RDMA transports).  The progress engine (``distributed.comm.mpi_progress``)
-tests those transfers until they are done.
+tests those transfers until they are done.  Between processes of one host,
+the reader copies the frames straight from the writer's memory instead, and
+says so over MPI (see ``distributed.comm.mpi_copy``).
 
 A channel opens the first time a frame needs one; until then, and between
 processes MPI cannot connect, frames travel over TCP.  When MPI stops
