@@ -167,8 +167,9 @@ def channels_to_others() -> int:
 def known_mpi_crash(output: str) -> str | None:
     """Which crash of MPICH 5.0 with UCX, if any, a worker's output shows:
     those it has when a peer dies just after mpi://'s last check that it
-    lives, as MPI starts to touch its memory or its connection (see
-    docs/mpi-design.rst, "Failure modes")"""
+    lives, as MPI starts to touch its memory or its connection, and the
+    connect to another host that spins for good (see docs/mpi-design.rst,
+    "Failure modes")"""
     if re.search(r"process_vm_readv\(pid=\d+ .* No such process", output):
         return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
     connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
@@ -177,4 +178,6 @@ def known_mpi_crash(output: str) -> str | None:
     send_crashed = r"Segmentation fault.*mpi\.py\", line \d+ in _write_over_mpi\n"
     if re.search(send_crashed, output, re.S):
         return "MPI_Isend crashed: the worker it sent to, on another host, had died"
+    if "MPI is stuck (MPICH with UCX can spin for good" in output:
+        return "MPI_Comm_connect to another host never returned (its watchdog said)"
     return None

@@ -23,6 +23,7 @@ pytest.importorskip("numpy")
 
 from distributed.comm.tests.mpi_processes import (
     _env,
+    known_mpi_crash,
     leaked_hwloc_files,
     mpiexec,
     mpiexec_command,
@@ -344,7 +345,10 @@ def test_processes_exit_cleanly_after_moving_data_across_hosts(
                     wait_for_file(path + ".moved", client, timeout=60)
                 except (RuntimeError, TimeoutError):
                     client.kill()
-                    raise AssertionError(client.communicate()[0].decode())
+                    out = client.communicate()[0].decode(errors="replace")
+                    if crash := known_mpi_crash(out):
+                        pytest.xfail(crash)
+                    raise AssertionError(out)
                 if peer == "killed":
                     [victim] = [p for p in hosts.processes(a) if p.exe() == python]
                     victim.kill()

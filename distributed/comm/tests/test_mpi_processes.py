@@ -23,7 +23,12 @@ from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
-from distributed.comm.tests.mpi_processes import mpiexec, run_mpiexec, wait_for_file
+from distributed.comm.tests.mpi_processes import (
+    known_mpi_crash,
+    mpiexec,
+    run_mpiexec,
+    wait_for_file,
+)
 from distributed.protocol import to_serialize
 from distributed.utils_test import captured_logger, gen_test
 
@@ -331,6 +336,7 @@ def test_an_mpi_connect_that_never_returns_is_reported_and_its_process_exits(
     assert "MPI_Comm_connect has not returned" in out, out
     assert "This process exits" in out, out
     assert "connect returned" not in out, out
+    assert "never returned" in known_mpi_crash(out)  # tests across hosts xfail
 
 
 def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_port):
