@@ -41,8 +41,9 @@ workload: bytes moved between workers (data fetched by workers from others,
 from their transfer counters, plus the bytes P2P sent through its comms,
 including each worker's share to itself), CPU seconds of the scheduler (and
 the client, in LocalCluster) and the workers, and on mpi:// the bytes of frames
-that went over MPI channels between workers (the others went on the comms' TCP
-connections).
+that went over MPI channels between workers (sent through MPI, or, between
+processes of one host, copied from the writer's memory; the others went on the
+comms' TCP connections).
 
 ``--control`` runs ``tcp://`` in ``mpi://``'s place as well, the same way: its
 ratios show how far two runs of one transport land apart on this machine, the

@@ -149,8 +149,9 @@ def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str
 
 
 def moved_over_mpi() -> int:
-    """Bytes of frames this process moved over MPI to and from others (for
-    ``client.run``: workers import it from here)"""
+    """Bytes of frames this process moved over MPI channels to and from
+    others: sent through MPI, or copied from the writer's memory on one host
+    (for ``client.run``: workers import it from here)"""
     from distributed.comm.mpi_channel import channels
 
     return sum(channel.nbytes for channel in channels.to_others())
