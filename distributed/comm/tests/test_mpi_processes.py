@@ -155,6 +155,17 @@ async def test_large_frames_between_processes_of_one_host_are_copied(
     await comm.close()
 
 
+async def _connect_with_channel(address):
+    """A comm to the peer at ``address`` once the two have an MPI channel,
+    and the array of 16 MB that opened it"""
+    comm = await connect(address)
+    array = np.random.randint(0, 100, 2_000_000)
+    while comm.channel is None:
+        await comm.write({"op": "echo", "x": array})
+        await comm.read()
+    return comm, array
+
+
 @gen_test(timeout=120)
 async def test_writer_that_dies_while_its_frame_is_copied_fails_the_read(
     server, tmp_path, monkeypatch
@@ -162,11 +173,7 @@ async def test_writer_that_dies_while_its_frame_is_copied_fails_the_read(
     """The reader gets an error, where MPI (UCX's CMA) would abort it, and
     goes on using MPI with others"""
     address, proc = server
-    comm = await connect(address)
-    array = np.random.randint(0, 100, 2_000_000)
-    while comm.channel is None:
-        await comm.write({"op": "echo", "x": array})
-        await comm.read()
+    comm, array = await _connect_with_channel(address)
     read = LocalPeer.read
 
     def read_then_kill(self, address, into, nbytes):
@@ -197,11 +204,7 @@ async def test_frame_that_its_writer_gave_up_is_not_returned(server, copies):
     marks the message given up, and the reader fails (here the frame's
     memory is still as it was)"""
     address, _ = server
-    comm = await connect(address)
-    array = np.random.randint(0, 100, 2_000_000)
-    while comm.channel is None:
-        await comm.write({"op": "echo", "x": array})
-        await comm.read()
+    comm, _ = await _connect_with_channel(address)
     await comm.write({"op": "write-and-abort", "size": 8_000_000})
     await asyncio.sleep(1)  # the writer has given it up
     with pytest.raises(CommClosedError, match="the writer gave the message up"):
