@@ -5,7 +5,7 @@ Between processes of one host that can read each other's memory, a large
 frame does not go through MPI: its reader copies it straight from the
 writer's memory (:meth:`LocalPeer.read`), and gets an error, not an abort,
 if the writer died.  For the frames that do go through MPI (GPU frames, or
-where ``direct-copy`` is off):
+where ``local-copy`` is off):
 
 UCX, MPICH's default netmod, copies a message straight out of the memory of a
 sender on the same host (CMA, ``process_vm_readv``), and aborts the process
@@ -78,18 +78,21 @@ class LocalPeer:
 
     def died(self) -> bool:
         """Whether its memory is gone: it died, or is dying"""
-        read = _process_vm_readv(
-            self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0
-        )
-        return read < 0 and ctypes.get_errno() == errno.ESRCH
+        return self._read_beacon() == errno.ESRCH
 
     def readable(self) -> bool:
         """Whether this process may read the peer's memory (the kernel's
         ptrace rules: same user, Yama's ``ptrace_scope``, seccomp)"""
+        return self._read_beacon() == 0
+
+    def _read_beacon(self) -> int:
+        """0 if the peer's beacon could be read, else why not (an errno)"""
         read = _process_vm_readv(
             self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0
         )
-        return read == 1
+        if read == 1:
+            return 0
+        return ctypes.get_errno() if read < 0 else errno.EFAULT
 
     def read(self, address: int, into: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``address`` in the peer's memory to ``into`` in
