@@ -269,7 +269,6 @@ class MPI(TCP):
             mpi_gpu.device_buffer(size) if where else host_buffer(size)
             for _, size, where in head.frames
         ]
-        copied = [host_buffer(size) for _, size, _ in head.copies]
         if on_device:
             mpi_gpu.synchronize()  # the allocations, before anything writes
         post = self._poster(channel, head.tag, receive=True)
@@ -287,13 +286,14 @@ class MPI(TCP):
                     chunks += _chunks(frame, route.chunk_size)
             if chunks:
                 pending.append(post(chunks))
-            for frame, (_, _, address) in zip(copied, head.copies):
-                await mpi_copy.copy(channel.sender, address, frame, route.chunk_size)
+            copied = []
+            if head.copies:
+                copied = await mpi_copy.receive(
+                    channel, head.copies, head.lease, route.chunk_size
+                )
+                mpi_copy.acknowledge(self._engine, channel, head.tag)
             for fut in pending:
                 await fut
-            if head.copies:
-                mpi_copy.check_lease(channel.sender, *head.lease)
-                self._acknowledge(channel, head.tag)
         except Stalled:
             self._stalled(channel)
             raise CommClosedError(f"{self}: MPI stopped delivering")
@@ -303,12 +303,6 @@ class MPI(TCP):
         except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while reading: {e}") from e
-        except OSError as e:  # of a copy
-            self.abort()
-            raise CommClosedError(
-                f"{self}: cannot copy the message's frames from the writer's "
-                f"memory: {mpi_copy.why(e)}"
-            ) from e
         except BaseException:
             self.abort()  # cancelled half-way: the stream's position is unknown
             raise
@@ -317,17 +311,6 @@ class MPI(TCP):
             frames.insert(index, frame)
         channel.nbytes += sum(size for _, size, _ in head.frames + head.copies)
         return frames
-
-    def _acknowledge(self, channel: Channel, tag: int) -> None:
-        """Tell the writer that its frames were copied: it frees them"""
-        if channel.sender.died():
-            return  # nobody to tell
-        engine = self._engine
-        engine.drop_dead_senders()  # before any call into MPI
-        done = [mpi_copy.NOTHING, 0, engine.MPI.BYTE]
-        request = channel.comm.Isend(done, channel.rank, tag)
-        if not request.Test():
-            engine.orphan([request])
 
     async def write(self, msg, serializers=None, on_error="message"):
         # Every message passes here: each line costs a little on every
@@ -411,7 +394,7 @@ class MPI(TCP):
         post = self._poster(channel, tag, receive=False)
         try:
             if lease is not None:
-                self._lend(channel, tag, lease)
+                self._track(mpi_copy.lend(self._engine, channel, tag, lease))
             if not staged:
                 # Sends first: MPI moves the data while the head travels
                 sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
@@ -435,15 +418,8 @@ class MPI(TCP):
             raise
         return nbytes + sent
 
-    def _lend(self, channel: Channel, tag: int, lease: mpi_copy.Lease) -> None:
-        """Keep the frames that the reader copies until it says, with an
-        empty message on the channel, that it has them"""
-        if self.closed():
-            raise CommClosedError(f"{self} is closed")
-        engine = self._engine = self._engine or ProgressEngine.current()
-        done = [mpi_copy.NOTHING, 0, engine.MPI.BYTE]
-        request = channel.comm.Irecv(done, channel.rank, tag)
-        fut = engine.transfer([request], lease, local=True, sender=channel.sender)
+    def _track(self, fut: asyncio.Future) -> None:
+        """Abort should a send, or a lease, fail"""
         if not fut.done():
             self._sends.add(fut)
             fut.add_done_callback(self._sent)
@@ -479,9 +455,7 @@ class MPI(TCP):
                 fut.add_done_callback(self._receives.discard)
             else:
                 fut = engine.transfer(requests, chunks, channel.sender is not None)
-                if not fut.done():
-                    self._sends.add(fut)
-                    fut.add_done_callback(self._sent)
+                self._track(fut)
             return fut
 
         return post

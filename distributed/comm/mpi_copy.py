@@ -18,7 +18,8 @@ import errno
 import itertools
 import secrets
 
-from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.core import CommClosedError
+from distributed.comm.mpi_buffers import host_buffer
 from distributed.comm.mpi_startup import get_mpi
 
 # The buffer of the empty messages that say a message's frames were copied
@@ -54,27 +55,49 @@ def address(frame: memoryview) -> int:
     return get_mpi().buffer(frame).address
 
 
-async def copy(writer: LocalPeer, at: int, frame: memoryview, chunk_size: int):
-    """Copy ``frame`` from address ``at`` in the writer's memory, a chunk at a
-    time, letting the event loop run between chunks"""
-    into, size = address(frame), frame.nbytes
-    for offset in range(0, size, chunk_size):
-        if offset:
-            await asyncio.sleep(0)
-        writer.read(at + offset, into + offset, min(chunk_size, size - offset))
+def lend(engine, channel, tag: int, lease: Lease) -> asyncio.Future:
+    """Keep the frames of a message that its reader copies until it says,
+    with an empty message on the channel and the message's tag, that it has
+    them; the engine's future of that"""
+    request = channel.comm.Irecv([NOTHING, 0, engine.MPI.BYTE], channel.rank, tag)
+    return engine.transfer([request], lease, local=True, sender=channel.sender)
 
 
-def check_lease(writer: LocalPeer, at: int, value: int) -> None:
-    """After copying: raise if the writer gave the frames up, which may have
-    changed while they were copied"""
-    word = ctypes.c_uint64()
-    writer.read(at, ctypes.addressof(word), ctypes.sizeof(word))
-    if word.value != value:
-        raise OSError(errno.ECANCELED, "the writer gave the message up")
+async def receive(channel, copies: list, lease: tuple[int, int], chunk_size: int):
+    """The frames of a message to copy from its writer (``copies`` and
+    ``lease`` of its head), copied a chunk at a time, letting the event loop
+    run between chunks; CommClosedError if they cannot be"""
+    writer, frames = channel.sender, [host_buffer(size) for _, size, _ in copies]
+    try:
+        for frame, (_, size, at) in zip(frames, copies):
+            into = address(frame)
+            for offset in range(0, size, chunk_size):
+                if offset:
+                    await asyncio.sleep(0)
+                n = min(chunk_size, size - offset)
+                writer.read(at + offset, into + offset, n)
+        # After copying: the writer may have given the frames up, and they
+        # may have changed while they were copied
+        word = ctypes.c_uint64()
+        writer.read(lease[0], ctypes.addressof(word), ctypes.sizeof(word))
+        if word.value != lease[1]:
+            raise OSError(errno.ECANCELED, "the writer gave the message up")
+    except OSError as e:
+        raise CommClosedError(
+            f"cannot copy a message's frames from the writer's memory: {_why(e)}"
+        ) from e
+    return frames
 
 
-def why(e: OSError) -> str:
-    """Why a copy failed, for its comm's error"""
+def acknowledge(engine, channel, tag: int) -> None:
+    """Tell the writer that the frames of its message were copied"""
+    engine.drop_dead_senders()  # before any call into MPI
+    request = channel.comm.Isend([NOTHING, 0, engine.MPI.BYTE], channel.rank, tag)
+    if not request.Test():
+        engine.orphan([request])
+
+
+def _why(e: OSError) -> str:
     if e.errno == errno.ESRCH:
         return "the peer process died"
     if e.errno in (errno.EPERM, errno.ENOSYS):
