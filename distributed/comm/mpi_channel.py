@@ -83,10 +83,6 @@ logger = logging.getLogger(__name__)
 # before the comms at the other end closed may still be on their way
 FREE_AFTER = 10
 
-# Bytes of a channel's greeting (Channel.greet): enough for UCX's rendezvous,
-# which maps what a peer's larger messages need (1 KiB left errors in a test)
-GREETING = 65536
-
 # Below MPICH's 1024 jobs per process, with some to spare
 MAX_JOBS = 1000
 
@@ -129,9 +125,7 @@ class Channel:
         # process's memory itself: they do not go through MPI
         self.peer_copies = False
         MPI = get_mpi()
-        # The largest tag is the greeting's (see greet)
-        self._greeting = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        self._ntags = self._greeting // 2
+        self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 2
         # Each end tags from its own half of the tag space.  MPI reuses the
         # context of a freed communicator for a new one, which then matches
         # messages left unreceived on the old one: tags start anywhere.
@@ -142,25 +136,6 @@ class Channel:
         """A tag for the frames of one message"""
         n, self._next = self._next, (self._next + 1) % self._ntags
         return 2 * n + self._parity
-
-    def greet(self, engine: ProgressEngine) -> None:
-        """Send the peer a greeting, and receive its own, as the channel
-        opens.  UCX maps a peer's shared memory (``/proc/PID/fd``) when it
-        first meets a message that needs it, and cannot once the peer died:
-        then every call into MPI that meets what the peer left (the exit
-        drain's, say) logs an error.  A process whose frames its peer copies
-        might otherwise first meet such a message from it when it is dead
-        (``test_mpi_gpu_host.py::test_peer_killed_mid_frame``)."""
-        MPI = get_mpi()
-        mine, theirs = bytearray(GREETING), bytearray(GREETING)
-        send = self.comm.Isend([mine, MPI.BYTE], self.rank, self._greeting)
-        receive = self.comm.Irecv([theirs, MPI.BYTE], self.rank, self._greeting)
-        # Tested at once, as a receive is: the peer may die soon after
-        for fut in [
-            engine.transfer([send], mine, local=self.sender is not None),
-            engine.transfer([receive], theirs, sender=self.sender),
-        ]:
-            fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
 
     def __repr__(self):
         return f"<Channel {self.id:x} to {self.peer}>"
@@ -397,7 +372,6 @@ class Channels:
         if error is None and opened:
             if not same_world:
                 self._jobs.add(handshake.job(peer))
-            channel.greet(ProgressEngine.current())
             return channel
         logger.warning(
             "MPI could not connect this process to %s (%s): their comms move "
