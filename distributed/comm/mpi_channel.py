@@ -63,6 +63,7 @@ from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_progress import (
     MPIStopped,
     ProgressEngine,
+    cancel_requests,
     completion_check,
     left_in_flight,
     stop_if_doomed,
@@ -465,9 +466,7 @@ class _Drain:
         # The peer stopped sending half-way, or a receiver does not read
         for requests, _, sender in self.in_flight:
             if sender is not None:  # a receive; MPICH cannot cancel sends
-                for request in requests:
-                    with contextlib.suppress(self.MPI.Exception):
-                        request.Cancel()
+                cancel_requests(self.MPI, requests)
 
     def _cancel_dead(self):
         """Before each call into MPI, which may copy from any sender: cancel
@@ -477,9 +476,7 @@ class _Drain:
         died = death_watch()
         for requests, _, sender in self.in_flight:
             if died(sender):
-                for request in requests:
-                    with contextlib.suppress(self.MPI.Exception):
-                        request.Cancel()
+                cancel_requests(self.MPI, requests)
                 if stop_if_doomed(requests, self.complete):
                     raise MPIStopped("MPI is stopped in this process")
         self.in_flight = [x for x in self.in_flight if not died(x[2])]

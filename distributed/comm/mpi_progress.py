@@ -225,7 +225,7 @@ class ProgressEngine:
             self._transfers[self._loop.create_future()] = entry
         elif entry is not None:
             if mpi_stopped() is None:
-                _cancel(self.MPI, entry.requests)
+                cancel_requests(self.MPI, entry.requests)
             self.orphan(entry.requests, entry.keepalive, entry.sender)
         if not fut.done():
             fut.set_exception(exc)
@@ -305,7 +305,7 @@ class ProgressEngine:
                     self.cancel(fut, CommClosedError("the peer process died"))
             for requests, _, _, sender in self._orphans:
                 if died(sender):
-                    _cancel(self.MPI, requests)
+                    cancel_requests(self.MPI, requests)
                     if stop_if_doomed(requests, self._complete):
                         break
         if mpi_stopped() is not None:
@@ -444,7 +444,8 @@ class ProgressEngine:
         self._orphans = pending
 
 
-def _cancel(MPI, requests: list) -> None:
+def cancel_requests(MPI, requests: list) -> None:
+    """Cancel those of ``requests`` not complete, where MPI can"""
     for request in filter(None, requests):  # not completed
         try:
             request.Cancel()
