@@ -84,6 +84,9 @@ logger = logging.getLogger(__name__)
 # before the comms at the other end closed may still be on their way
 FREE_AFTER = 10
 
+# Bytes of a channel's greeting (Channel.greet): enough for UCX's rendezvous
+GREETING = 65536
+
 # Below MPICH's 1024 jobs per process, with some to spare
 MAX_JOBS = 1000
 
@@ -126,7 +129,9 @@ class Channel:
         # process's memory itself: they do not go through MPI
         self.peer_copies = False
         MPI = get_mpi()
-        self._ntags = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1) // 2
+        # The largest tag is the greeting's (see greet)
+        self._greeting = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self._ntags = self._greeting // 2
         # Each end tags from its own half of the tag space.  MPI reuses the
         # context of a freed communicator for a new one, which then matches
         # messages left unreceived on the old one: tags start anywhere.
@@ -137,6 +142,31 @@ class Channel:
         """A tag for the frames of one message"""
         n, self._next = self._next, (self._next + 1) % self._ntags
         return 2 * n + self._parity
+
+    async def greet(self, timeout: float) -> None:
+        """Send the peer a greeting and receive its own, both complete
+        before the channel is used.  UCX wires up the shared memory of a peer
+        on this host when it first meets a message of the peer's that needs
+        it (``/proc/PID/fd``), and fails to once the peer died: every later
+        call into MPI, the exit drain's included, then logs errors.  A
+        process whose frames the peer copies (``mpi_copy``) might first meet
+        such a message when the peer died in the middle of sending it."""
+        MPI, engine = get_mpi(), ProgressEngine.current()
+        mine, theirs = bytearray(GREETING), bytearray(GREETING)
+        if self.sender is not None and self.sender.died():
+            raise CommClosedError("the peer process died")  # MPI may copy at once
+        receive = self.comm.Irecv([theirs, MPI.BYTE], self.rank, self._greeting)
+        # The receive first: the engine checks its sender before each call
+        received = engine.receive([receive], theirs, self.sender, [GREETING])
+        sent = None
+        try:
+            send = self.comm.Isend([mine, MPI.BYTE], self.rank, self._greeting)
+            sent = engine.transfer([send], mine, local=self.sender is not None)
+            await asyncio.wait_for(asyncio.gather(received, sent), timeout)
+        except BaseException:
+            for fut in filter(None, [received, sent]):
+                engine.cancel(fut, CommClosedError("no greeting from the peer"))
+            raise
 
     def __repr__(self):
         return f"<Channel {self.id:x} to {self.peer}>"
@@ -373,7 +403,14 @@ class Channels:
         if error is None and opened:
             if not same_world:
                 self._jobs.add(handshake.job(peer))
-            return channel
+            try:
+                if handshake.peer_gone(stream):
+                    raise CommClosedError("the peer went away")
+                await channel.greet(timeout)
+                return channel
+            except (CommClosedError, asyncio.TimeoutError) as e:
+                self.release(channel, later=False)
+                error = e
         logger.warning(
             "MPI could not connect this process to %s (%s): their comms move "
             "their data over TCP from now on",

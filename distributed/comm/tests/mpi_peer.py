@@ -21,6 +21,11 @@ such a server, sends large frames over MPI until a channel is open, asks it to
 stop reading, writes three more messages whose frames stay pending in MPI,
 writes FILE and waits to be killed, or exits once FILE.exit exists.
 
+``python -m distributed.comm.tests.mpi_peer ask-device ADDRESS FILE SIZE``
+connects to such a server, and once an MPI channel is open asks it for a
+device frame of SIZE bytes, writes FILE and reads nothing more; it exits once
+FILE.exit exists.
+
 ``python -m distributed.comm.tests.mpi_peer ping ADDRESS`` connects to such a
 server from another process and checks a few round trips; it prints "over
 MPI" once large frames moved over an MPI channel.
@@ -156,6 +161,18 @@ async def flood(address, path):
         await asyncio.sleep(0.1)
 
 
+async def ask_device(address, path, size):
+    comm = await connect(address)
+    while comm.channel is None:  # until host frames are copied both ways
+        await comm.write({"op": "echo", "x": to_serialize(np.zeros(2**17))})
+        await comm.read()
+        await asyncio.sleep(0.05)
+    await comm.write({"op": "device", "x": [], "make": [(int(size), 0)]})
+    write(path, "asked")
+    while not os.path.exists(path + ".exit"):  # the reply stays unread
+        await asyncio.sleep(0.1)
+
+
 async def ping(address):
     comm = await connect(address)
     for i in range(100):
@@ -273,6 +290,7 @@ COMMANDS = {
     "serve": serve,
     "ping": ping,
     "flood": flood,
+    "ask-device": ask_device,
     "port": port,
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import time
 from typing import NamedTuple
 
 import psutil
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 16384
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
+OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 
 
 class Peer(NamedTuple):
@@ -275,3 +278,22 @@ async def test_peer_killed_mid_frame(peer):
             with pytest.raises(CommClosedError):
                 await asyncio.wait_for(comm.read(), 20)
         assert comm.closed()
+
+
+def test_no_ucx_error_at_exit_after_the_peer_died_mid_frame(peer, tmp_path):
+    """A process whose frames its peer on this host only copied, and which
+    asked it for a device frame over MPI, outlives the peer, killed while
+    sending it: it exits with 0, without a word from UCX.  UCX wires up what
+    the peer's messages need when it first meets one (``Channel.greet``):
+    here in the exit drain, after the peer died, which logged errors"""
+    path = str(tmp_path / "asked")
+    with mpiexec(
+        [*PEER, "ask-device", peer.address, path, str(LARGE)], **OUTPUT
+    ) as job:
+        wait_for_file(path, job)
+        time.sleep(0.5)  # the peer posts its sends
+        peer.job.crash()
+        open(path + ".exit", "w").close()
+        out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, out
+    assert "UCX" not in out, out
