@@ -507,6 +507,10 @@ def _teardown(tag: str, pids: list[int], started: float) -> None:
         os.unlink(os.path.join(STATE, f"{tag}.json"))
     with contextlib.suppress(OSError):
         os.rmdir("/etc/netns")  # if no other instance uses it
+    # ``ip netns add`` bind-mounts /run/netns on itself: undone once no
+    # namespace is left (one of another instance would make umount fail)
+    if "/run/netns" in mounts and not os.listdir("/run/netns"):
+        subprocess.run(["umount", "/run/netns"], capture_output=True)
 
 
 if __name__ == "__main__":

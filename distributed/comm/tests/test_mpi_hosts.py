@@ -57,6 +57,10 @@ def simulated_hosts():
         )
     # Killed Hydra proxies leave these; mpiexec() and SimulatedHosts remove them
     assert not leaked_hwloc_files(since=start)
+    # ip netns mounts /run/netns on itself; the last instance unmounts it
+    with open("/proc/self/mountinfo") as f:
+        mounted = {line.split()[4] for line in f}
+    assert os.listdir("/run/netns") or "/run/netns" not in mounted
 
 
 def on(hosts: SimulatedHosts, name: str, **env) -> list[str]:
