@@ -143,30 +143,36 @@ class Channel:
         n, self._next = self._next, (self._next + 1) % self._ntags
         return 2 * n + self._parity
 
-    async def greet(self, timeout: float) -> None:
-        """Send the peer a greeting and receive its own, both complete
-        before the channel is used.  UCX wires up the shared memory of a peer
-        on this host when it first meets a message of the peer's that needs
-        it (``/proc/PID/fd``), and fails to once the peer died: every later
-        call into MPI, the exit drain's included, then logs errors.  A
-        process whose frames the peer copies (``mpi_copy``) might first meet
-        such a message when the peer died in the middle of sending it."""
-        MPI, engine = get_mpi(), ProgressEngine.current()
+    def greet(self, timeout: float) -> None:
+        """Send the peer a greeting and receive its own, as the channel
+        opens, right after MPI connected the two: both ends are in
+        :meth:`Channels.open`, with no await, so this takes microseconds, and
+        leaves no send pending unless the peer died in them.  UCX wires up the
+        shared memory of a peer on this host when it first meets a message of
+        the peer's that needs it (``/proc/PID/fd``), and fails to once the
+        peer died: every later call into MPI, the exit drain's included, then
+        logs errors.  A process whose frames the peer copies (``mpi_copy``)
+        might first meet such a message when the peer died sending it."""
+        MPI = get_mpi()
         mine, theirs = bytearray(GREETING), bytearray(GREETING)
         if self.sender is not None and self.sender.died():
             raise CommClosedError("the peer process died")  # MPI may copy at once
-        receive = self.comm.Irecv([theirs, MPI.BYTE], self.rank, self._greeting)
-        # The receive first: the engine checks its sender before each call
-        received = engine.receive([receive], theirs, self.sender, [GREETING])
-        sent = None
-        try:
-            send = self.comm.Isend([mine, MPI.BYTE], self.rank, self._greeting)
-            sent = engine.transfer([send], mine, local=self.sender is not None)
-            await asyncio.wait_for(asyncio.gather(received, sent), timeout)
-        except BaseException:
-            for fut in filter(None, [received, sent]):
-                engine.cancel(fut, CommClosedError("no greeting from the peer"))
-            raise
+        requests = [
+            self.comm.Irecv([theirs, MPI.BYTE], self.rank, self._greeting),
+            self.comm.Isend([mine, MPI.BYTE], self.rank, self._greeting),
+        ]
+        deadline = time.monotonic() + timeout
+        # Before each call into MPI, which may copy from the peer: is it alive?
+        while not (died := self.sender is not None and self.sender.died()):
+            if MPI.Request.Testall(requests):
+                return
+            if time.monotonic() > deadline:
+                break
+        cancel_requests(MPI, requests)  # the receive: MPICH cannot cancel sends
+        ProgressEngine.current().orphan(requests, (mine, theirs), self.sender)
+        if died:
+            raise CommClosedError("the peer process died")
+        raise CommClosedError(f"no greeting from the peer in {timeout} s")
 
     def __repr__(self):
         return f"<Channel {self.id:x} to {self.peer}>"
@@ -208,13 +214,19 @@ class Channels:
         if channel is None:
             channel = Channel(0, None, get_mpi().COMM_SELF.Dup(), 0, True)
             self._add(channel)
+            self._publish(channel)
         return channel
 
     def _add(self, channel: Channel) -> None:
+        """Register a new channel, for message heads that name it"""
+        with self._lock:
+            self._by_id[channel.id] = channel
+
+    def _publish(self, channel: Channel) -> None:
+        """Let comms write over a channel, once both ends opened it"""
         with self._lock:
             old = self._open.get(channel.peer)
             self._open[channel.peer] = channel
-            self._by_id[channel.id] = channel
         if old is not None:  # the peer forgot it, since it opened this one
             self._free_later(old)
         self._sweep_soon()
@@ -354,7 +366,7 @@ class Channels:
         alone, peer_alone = world() is None, peer.get("world") is None
         accepts = peer_alone if alone != peer_alone else process_id() < process
         timeout = parse_timedelta(config("channel-timeout"))
-        MPI, comm, error = get_mpi(), None, None
+        MPI, channel, error = get_mpi(), None, None
         try:
             if accepts:
                 id = secrets.randbits(63)
@@ -382,35 +394,31 @@ class Channels:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
                 comm, rank = self._meet(port, accepts, timeout), 0
-        except MPI.Exception as e:
-            error = e
-        if comm is not None:
             channel = Channel(id, peer, comm, rank, accepts)
             self._add(channel)  # before any message head can name it
+            channel.greet(timeout)
+        except (MPI.Exception, CommClosedError) as e:
+            if channel is None and not isinstance(e, MPI.Exception):
+                raise  # before MPI: the peer went away
+            error = e
         try:
             # Each end says whether it can copy from the other's memory
             await handshake.send(
                 stream, {"opened": error is None, "copies": _can_copy_from(peer)}
             )
             reply = await handshake.recv(stream)
-            opened = reply.get("opened") is True
-            if comm is not None:
-                channel.peer_copies = reply.get("copies") is True
         except BaseException:
-            if comm is not None:
-                self.release(channel, later=False)
+            if channel is not None:
+                self._free(channel)
             raise
-        if error is None and opened:
+        if error is None and reply.get("opened") is True:
             if not same_world:
                 self._jobs.add(handshake.job(peer))
-            try:
-                if handshake.peer_gone(stream):
-                    raise CommClosedError("the peer went away")
-                await channel.greet(timeout)
-                return channel
-            except (CommClosedError, asyncio.TimeoutError) as e:
-                self.release(channel, later=False)
-                error = e
+            channel.peer_copies = reply.get("copies") is True
+            self._publish(channel)  # comms may write over it now
+            return channel
+        if channel is not None:
+            self._free(channel)
         logger.warning(
             "MPI could not connect this process to %s (%s): their comms move "
             "their data over TCP from now on",

@@ -43,6 +43,9 @@ port in FILE, and its watchdog of stuck MPI calls goes off before MPI's timeout.
 twice, with every MPI accept or connect of its own sent to the port in FILE
 instead: MPI fails to open the channel at both ends, for real.
 
+``python -m distributed.comm.tests.mpi_peer ping-without-greeting ADDRESS``
+pings with channels over which it receives the peer's greeting, and sends none.
+
 ``python -m distributed.comm.tests.mpi_peer receive-from-the-dying FILE``
 accepts a connect on a port it writes to FILE, and receives a 64 MiB message
 of ones through the progress engine; once MPI has begun to copy it (with
@@ -237,6 +240,16 @@ async def ping_astray(path, address):
     await ping(address)
 
 
+async def ping_without_greeting(address):
+    def greet(channel, timeout):
+        """Receives the peer's greeting, and sends none"""
+        MPI, theirs = mpi_startup.get_mpi(), bytearray(mpi_channel.GREETING)
+        channel.comm.Recv([theirs, MPI.BYTE], channel.rank, channel._greeting)
+
+    mpi_channel.Channel.greet = greet
+    await ping(address)
+
+
 async def receive_from_the_dying(path):
     MPI = await mpi_startup.mpi_ready()
     write(path, mpi_channel.channels.open_port())
@@ -294,6 +307,7 @@ COMMANDS = {
     "port": port,
     "ping-after-timeout": ping_after_timeout,
     "ping-astray": ping_astray,
+    "ping-without-greeting": ping_without_greeting,
     "stuck-connect": stuck_connect,
     "receive-from-the-dying": receive_from_the_dying,
     "send-and-die": send_and_die,

@@ -365,6 +365,29 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_
     assert "UCX" not in out, out
 
 
+def test_a_channel_whose_greeting_fails_at_one_end_is_dropped_at_both(tmp_path):
+    """A peer that never sends its greeting over a new channel: the other
+    end gives up on it after ``channel-timeout``, both drop the channel, and
+    their comms move their data over TCP"""
+    path = str(tmp_path / "address")
+    timeout = ["-env", "DASK_DISTRIBUTED__COMM__MPI__CHANNEL_TIMEOUT", "1s"]
+    with mpiexec([*PEER[:2], *timeout, *PEER[2:], "serve", path], **OUTPUT) as server:
+        address = wait_for_file(path, server)
+        out = run_mpiexec([*PEER, "ping-without-greeting", address])
+        assert "ping ok" in out
+        assert "over MPI" not in out
+        assert "it failed at the other end" in out, out
+        assert "UCX" not in out, out
+        # The server goes on serving others over MPI
+        out = run_mpiexec([*PEER, "ping", address])
+        assert "ping ok" in out
+        assert "over MPI" in out
+        server.stop()
+        out = server.stdout.read()
+    assert "no greeting from the peer in 1 s" in out, out
+    assert "UCX" not in out, out
+
+
 async def open_channel(comm) -> mpi_channel.Channel:
     """Write large frames until the comm's data moves over an MPI channel"""
     array = np.arange(300_000)
