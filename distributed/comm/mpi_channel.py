@@ -146,8 +146,8 @@ class Channel:
     def greet(self, timeout: float) -> None:
         """Send the peer a greeting and receive its own, as the channel
         opens, right after MPI connected the two: both ends are in
-        :meth:`Channels.open`, with no await, so this takes microseconds, and
-        leaves no send pending unless the peer died in them.  UCX wires up the
+        :meth:`Channels.open`, with no await, so this takes a fraction of a
+        millisecond, and leaves no send pending unless the peer died in it.  UCX wires up the
         shared memory of a peer on this host when it first meets a message of
         the peer's that needs it (``/proc/PID/fd``), and fails to once the
         peer died: every later call into MPI, the exit drain's included, then
