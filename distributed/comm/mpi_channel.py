@@ -147,12 +147,13 @@ class Channel:
         """Send the peer a greeting and receive its own, as the channel
         opens, right after MPI connected the two: both ends are in
         :meth:`Channels.open`, with no await, so this takes a fraction of a
-        millisecond, and leaves no send pending unless the peer died in it.  UCX wires up the
-        shared memory of a peer on this host when it first meets a message of
-        the peer's that needs it (``/proc/PID/fd``), and fails to once the
-        peer died: every later call into MPI, the exit drain's included, then
-        logs errors.  A process whose frames the peer copies (``mpi_copy``)
-        might first meet such a message when the peer died sending it."""
+        millisecond, and leaves no send pending unless the peer died in it.
+        UCX wires up the shared memory of a peer on this host when it first
+        meets a message of the peer's that needs it (``/proc/PID/fd``), and
+        fails to once the peer died: every later call into MPI, the exit
+        drain's included, then logs errors.  A process whose frames the peer
+        copies (``mpi_copy``) might first meet such a message when the peer
+        died sending it."""
         MPI = get_mpi()
         mine, theirs = bytearray(GREETING), bytearray(GREETING)
         if self.sender is not None and self.sender.died():
@@ -394,6 +395,7 @@ class Channels:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
                 comm, rank = self._meet(port, accepts, timeout), 0
+                self._jobs.add(handshake.job(peer))  # MPICH counts it now
             channel = Channel(id, peer, comm, rank, accepts)
             self._add(channel)  # before any message head can name it
             channel.greet(timeout)
@@ -412,8 +414,6 @@ class Channels:
                 self._free(channel)
             raise
         if error is None and reply.get("opened") is True:
-            if not same_world:
-                self._jobs.add(handshake.job(peer))
             channel.peer_copies = reply.get("copies") is True
             self._publish(channel)  # comms may write over it now
             return channel
