@@ -125,6 +125,10 @@ def remove_leaked_hwloc_files(since: float) -> None:
             os.unlink(path)
 
 
+# Popen's arguments for a job whose output, stdout and stderr together, a test reads
+OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+
+
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:
     with mpiexec(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
 from typing import NamedTuple
 
@@ -26,7 +25,7 @@ import dask
 from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu
 from distributed.comm.mpi_channel import channels
 from distributed.comm.tests.mpi_peer import OnDevice
-from distributed.comm.tests.mpi_processes import Job, mpiexec, wait_for_file
+from distributed.comm.tests.mpi_processes import OUTPUT, Job, mpiexec, wait_for_file
 from distributed.protocol import to_serialize
 from distributed.utils_test import async_poll_for, gen_test
 
@@ -34,7 +33,6 @@ pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 16384
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
-OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 
 
 class Peer(NamedTuple):

@@ -24,6 +24,7 @@ from distributed.comm.mpi import Head
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_processes import (
+    OUTPUT,
     known_mpi_crash,
     mpiexec,
     run_mpiexec,
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.timeout(180)
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 
 # What a job prints, to read
-OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 
 
 @pytest.fixture
