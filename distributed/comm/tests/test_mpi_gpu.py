@@ -26,7 +26,7 @@ from distributed.comm.mpi_channel import channels
 from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
 from distributed.comm.tests.test_mpi import comm_pair
 from distributed.protocol import to_serialize
-from distributed.utils_test import gen_test
+from distributed.utils_test import gen_test, popen
 
 gpu = pytest.mark.skipif(not mpi_gpu.has_gpu(), reason="needs CuPy and a GPU")
 
@@ -220,7 +220,8 @@ def test_cupy_dask_array_on_a_cluster():
     import cupy
     import dask.array as da
 
-    x = da.from_array(cupy.random.random((4000, 4000)), chunks=1000)
+    # Made in chunks where they are used, not shipped in the graph
+    x = da.random.random((4000, 4000), chunks=1000).map_blocks(cupy.asarray)
     expected_sum = float((x + x.T).sum().compute(scheduler="sync"))
     expected_dot = (x @ x.T).compute(scheduler="sync")
     with LocalCluster(
@@ -245,3 +246,33 @@ def test_cupy_dask_array_on_a_cluster():
             }
         )
         assert set().union(*paths.values()) & {"staged", "direct"}
+
+
+@gpu
+@pytest.mark.timeout(180)
+def test_cupy_work_with_a_scheduler_without_gpu(tmp_path):
+    """A scheduler on a node without a GPU between workers with one, each in a
+    process of its own: the workers move device data, the scheduler relays"""
+    import cupy
+    import dask.array as da
+
+    file = str(tmp_path / "scheduler.json")
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    scheduler = ["dask", "scheduler", "--protocol", "mpi", "--scheduler-file", file]
+    worker = ["dask", "worker", "--scheduler-file", file, "--nthreads", "1"]
+    with popen([*scheduler, "--dashboard-address", ":0"], env=no_gpu):
+        with popen(worker), popen(worker), Client(scheduler_file=file) as client:
+            client.wait_for_workers(2, timeout=60)
+            assert not client.run_on_scheduler(lambda: mpi_gpu.has_gpu())
+            x = da.random.random((4000, 4000), chunks=1000).map_blocks(cupy.asarray)
+            total = client.compute((x + x.T).sum()).result()
+            assert isinstance(total, cupy.ndarray)
+            assert np.isclose(float(total), float((x + x.T).sum().compute(scheduler="sync")))
+            paths = client.run(
+                lambda dask_worker: [
+                    comm.gpu_path
+                    for comms in dask_worker.rpc.available.values()
+                    for comm in comms
+                ]
+            )
+            assert "staged" in sum(paths.values(), [])
