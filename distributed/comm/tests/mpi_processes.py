@@ -130,9 +130,7 @@ OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 
 
 def run_mpiexec(args: list[str], timeout: float = 120) -> str:
-    with mpiexec(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
+    with mpiexec(args, **OUTPUT) as proc:
         out, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, out
         return out

@@ -238,21 +238,26 @@ def test_cupy_dask_array_on_a_cluster():
             lambda dask_worker: dask_worker.state.transfer_incoming_count_total
         )
         assert sum(moved.values()) > 0
-        paths = client.run(
-            lambda dask_worker: {
-                comm.gpu_path
-                for comms in dask_worker.rpc.available.values()
-                for comm in comms
-            }
-        )
-        assert set().union(*paths.values()) & {"staged", "direct"}
+        assert gpu_paths(client) & {"staged", "direct"}
+
+
+def gpu_paths(client) -> set:
+    """How the comms that the workers keep for each other move GPU frames"""
+    paths = client.run(
+        lambda dask_worker: {
+            comm.gpu_path
+            for comms in dask_worker.rpc.available.values()
+            for comm in comms
+        }
+    )
+    return set().union(*paths.values())
 
 
 @gpu
 @pytest.mark.timeout(180)
 def test_cupy_work_with_a_scheduler_without_gpu(tmp_path):
-    """A scheduler on a node without a GPU between workers with one, each in a
-    process of its own: the workers move device data, the scheduler relays"""
+    """A scheduler on a node without a GPU and workers with one, each in a
+    process of its own: the workers move device data between them"""
     import cupy
     import dask.array as da
 
@@ -263,16 +268,10 @@ def test_cupy_work_with_a_scheduler_without_gpu(tmp_path):
     with popen([*scheduler, "--dashboard-address", ":0"], env=no_gpu):
         with popen(worker), popen(worker), Client(scheduler_file=file) as client:
             client.wait_for_workers(2, timeout=60)
-            assert not client.run_on_scheduler(lambda: mpi_gpu.has_gpu())
+            assert not client.run_on_scheduler(mpi_gpu.has_gpu)
             x = da.random.random((4000, 4000), chunks=1000).map_blocks(cupy.asarray)
+            expected = float((x + x.T).sum().compute(scheduler="sync"))
             total = client.compute((x + x.T).sum()).result()
             assert isinstance(total, cupy.ndarray)
-            assert np.isclose(float(total), float((x + x.T).sum().compute(scheduler="sync")))
-            paths = client.run(
-                lambda dask_worker: [
-                    comm.gpu_path
-                    for comms in dask_worker.rpc.available.values()
-                    for comm in comms
-                ]
-            )
-            assert "staged" in sum(paths.values(), [])
+            assert np.isclose(float(total), expected)
+            assert "staged" in gpu_paths(client)

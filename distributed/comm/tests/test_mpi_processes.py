@@ -38,8 +38,6 @@ pytestmark = pytest.mark.timeout(180)
 # One process of mpi_peer, under mpiexec: add its command
 PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 
-# What a job prints, to read
-
 
 @pytest.fixture
 def server(tmp_path):
