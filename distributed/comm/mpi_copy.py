@@ -91,6 +91,8 @@ async def receive(channel, copies: list, lease: tuple[int, int], chunk_size: int
 
 def acknowledge(engine, channel, tag: int) -> None:
     """Tell the writer that the frames of its message were copied"""
+    if channel.sender.died():
+        return  # a send to it could never complete
     engine.drop_dead_senders()  # before any call into MPI
     request = channel.comm.Isend([NOTHING, 0, engine.MPI.BYTE], channel.rank, tag)
     if not request.Test():
