@@ -153,6 +153,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's results")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="measure mpi:// direct even where MPI says it is not CUDA-aware "
+        "(MPICH from PyPI on a UCX built with CUDA, in LD_LIBRARY_PATH)",
+    )
     args = parser.parse_args()
     if args.plot:
         with open(args.plot) as f:
@@ -168,14 +174,19 @@ def main() -> None:
         "machine": pingpong.versions(),
         "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         "cupy": cupy.__version__,
-        "cuda_aware": why,
+        "cuda_aware": why
+        + (
+            "; mpi:// direct measured anyway (--direct)"
+            if args.direct and not aware
+            else ""
+        ),
         "quick": args.quick,
         "pingpong": {},
         "apps": {},
     }
     variants = [("tcp://", "tcp", contextlib.nullcontext)]
     variants.append(("mpi:// staged", "mpi", contextlib.nullcontext))
-    if aware:
+    if aware or args.direct:
         variants.append(("mpi:// direct", "mpi", direct))
     for name, protocol, setting in variants:
         print(name, file=sys.stderr)

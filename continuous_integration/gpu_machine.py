@@ -13,12 +13,22 @@ carried:
     bash build/gpu-bundle/run.sh test     # $OUT: a folder to fill
     bash build/gpu-bundle/run.sh bench
     bash build/gpu-bundle/run.sh all      # both, in one device call
+    bash build/gpu-bundle/run.sh direct   # both, on the direct path (below)
 
 installs the wheels (once) into a virtual environment that sees the machine's
 own packages (CuPy, Numba) after its own, then prints the probe
 (``distributed.comm.mpi_probe``) and runs the GPU tests, or runs
 ``benchmarks/gpu.py``; logs, ``probe.txt``, test output, ``gpu.json`` and
-``gpu.png`` go to ``$OUT``.  On an H200 (2026-11-26) ``all`` took under three
+``gpu.png`` go to ``$OUT``.
+
+MPICH from PyPI is not CUDA-aware, so GPU frames go staged.  For the direct
+path, ``bundle --ucx-cuda`` adds UCX built with CUDA (from the libucx-cu12
+wheel, 4 MB of it), and ``run.sh direct`` puts it under MPICH
+(``LD_LIBRARY_PATH``) and tells mpi:// that MPI is CUDA-aware
+(``cuda-aware: true``): MPICH hands device pointers to UCX, which moves them,
+between processes of different jobs (those of one job on one host would go
+through MPICH's own shared memory, which cannot).  A test rig, not a
+configuration for users.  On an H200 (2026-11-26) ``all`` took under three
 minutes: the set-up 20 s, the tests 15-40 s, the full benchmark
 (``GPU_BENCH_ARGS=" "``) 70 s.
 """
@@ -29,6 +39,8 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +48,14 @@ BUNDLE = ROOT / "build" / "gpu-bundle"
 PYTHON = "3.12"
 # Beside distributed's own dependencies (read from the built wheel)
 EXTRA = ["mpich", "mpi4py", "numpy", "pytest", "pytest-timeout"]
+# What MPICH needs of UCX, for bundle --ucx-cuda
+UCX_LIBRARIES = {f"lib{n}.so.0" for n in ["ucp", "ucs", "uct", "ucm", "ucs_signal"]}
+UCX_MODULES = {"libuct_cuda.so.0", "libucm_cuda.so.0", "libuct_cma.so.0"}
 
 RUN = r"""#!/usr/bin/env bash
 # Written by continuous_integration/gpu_machine.py: see there.
 # bash run.sh test: set up, probe, GPU tests; bash run.sh bench: the benchmark;
-# bash run.sh all: both.
+# bash run.sh all: both; bash run.sh direct: both, on the direct path.
 # Each fits in one device call (10 minutes); set MPI4DASK_GPU_LARGE=0 to leave
 # out the 2.5 GB array, GPU_BENCH_ARGS (default --quick) for the benchmark.
 set -uo pipefail
@@ -71,20 +86,30 @@ fi
 export PYTHONPATH="$HERE"
 which mpiexec
 status=0
+tests=(distributed/comm/tests/test_mpi_gpu.py)
+if [ "${1:-test}" = direct ]; then
+    export LD_LIBRARY_PATH="$HERE/ucx-cuda" DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE=true
+    tests+=(-k "between_two_processes or on_a_cluster or without_gpu")
+fi
 if [ "${1:-test}" != bench ]; then
     timeout 120 python -m distributed.comm.mpi_probe | tee "$OUT/probe.txt"
-    timeout 300 python -m pytest -v -rs -p no:cacheprovider \
-        distributed/comm/tests/test_mpi_gpu.py 2>&1 | tee "$OUT/test_mpi_gpu.txt"
+    timeout 300 python -m pytest -v -rs -p no:cacheprovider "${tests[@]}" 2>&1 \
+        | tee "$OUT/test_mpi_gpu.txt"
     status=$?
 fi
 if [ "${1:-test}" != test ]; then
-    (cd benchmarks && timeout 300 python gpu.py ${GPU_BENCH_ARGS:---quick} --out "$OUT") || status=$?
+    direct=()
+    if [ "${1:-test}" = direct ]; then
+        unset DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE  # staged, then direct
+        direct=(--direct)
+    fi
+    (cd benchmarks && timeout 300 python gpu.py "${direct[@]}" ${GPU_BENCH_ARGS:---quick} --out "$OUT") || status=$?
 fi
 exit $status
 """
 
 
-def bundle() -> None:
+def bundle(ucx_cuda: bool = False) -> None:
     if BUNDLE.exists():
         shutil.rmtree(BUNDLE)
     wheels = BUNDLE / "wheels"
@@ -121,14 +146,46 @@ def bundle() -> None:
     for name in ["conftest.py", "setup.cfg"]:
         shutil.copy(ROOT / name, BUNDLE / name)
     (BUNDLE / "run.sh").write_text(RUN)
+    if ucx_cuda:
+        add_ucx_cuda()
     size = sum(p.stat().st_size for p in BUNDLE.rglob("*") if p.is_file())
     print(f"{BUNDLE}: {size / 2**20:.1f} MiB")
     if size > 60 * 2**20:
         sys.exit("too large for the device tool, which carries 64 MiB in all")
 
 
+def add_ucx_cuda() -> None:
+    """UCX built with CUDA, from the libucx-cu12 wheel: the libraries MPICH
+    loads, and the transport modules for GPU memory and for copies between
+    processes of one host"""
+    target = BUNDLE / "ucx-cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+            + ["-d", tmp, "libucx-cu12"],
+            check=True,
+        )
+        (wheel,) = Path(tmp).glob("libucx_cu12-*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                file = Path(name).name
+                if file in UCX_LIBRARIES or file.startswith("libcudart-"):
+                    into = target
+                elif file in UCX_MODULES:
+                    into = target / "ucx"
+                else:
+                    continue
+                into.mkdir(parents=True, exist_ok=True)
+                (into / file).write_bytes(z.read(name))
+    if shutil.which("strip"):
+        subprocess.run(["strip", "--strip-unneeded", *target.rglob("*.so*")])
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["bundle"])
-    parser.parse_args()
-    bundle()
+    parser.add_argument(
+        "--ucx-cuda", action="store_true", help="add UCX with CUDA, for run.sh direct"
+    )
+    args = parser.parse_args()
+    bundle(args.ucx_cuda)
