@@ -170,16 +170,13 @@ def main() -> None:
     import cupy
 
     aware, why = cuda_aware()
+    if args.direct and not aware:
+        why += "; mpi:// direct measured anyway (--direct)"
     results = {
         "machine": pingpong.versions(),
         "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         "cupy": cupy.__version__,
-        "cuda_aware": why
-        + (
-            "; mpi:// direct measured anyway (--direct)"
-            if args.direct and not aware
-            else ""
-        ),
+        "cuda_aware": why,
         "quick": args.quick,
         "pingpong": {},
         "apps": {},
