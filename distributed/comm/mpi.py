@@ -166,9 +166,9 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
     if peer.get("open") and dial is None:
-        if channels.may_open(peer):
-            await channels.open(stream, peer)
-        return None
+        if not (channels.may_open(peer) and await channels.open(stream, peer)):
+            stream.close()
+        return None  # the channel keeps the stream
     if peer["process"] == mpi_startup.process_id():
         if not mpi_startup.mpi_stopped():
             channels.to_self()
@@ -698,7 +698,6 @@ class MPIListener(TCPListener):
             stream.close()
             return None
         if route is None:  # it came to open a channel, which is done
-            stream.close()
             return None
         self._routes[stream] = route
         return stream

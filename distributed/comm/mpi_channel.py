@@ -35,7 +35,10 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 - after a channel failed to open, or stopped delivering, the two processes
   use TCP only (:meth:`Channels.give_up_on`).
 
-A channel is freed once no comm uses it.  MPICH itself gives back little of a
+A channel is released once no comm uses it at one end: that end closes the
+TCP connection the channel opened on, which both ends keep for as long as it
+is open, and the other end releases it too, so that neither sends over it
+again.  Each frees it :data:`FREE_AFTER` seconds later.  MPICH itself gives back little of a
 connection (about 50-70 KB stay with each process, freed or not), and aborts a
 process on the 1024th distinct job it connects to (its table of jobs,
 ``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
@@ -56,8 +59,11 @@ import time
 import weakref
 
 from dask.utils import parse_timedelta
+from tornado.iostream import IOStream
+from tornado.tcpclient import TCPClient
 
 from distributed.comm import mpi_handshake as handshake
+from distributed.comm.addressing import parse_host_port
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_progress import (
@@ -124,6 +130,9 @@ class Channel:
         self.comm = comm
         self.rank = rank  # the peer's rank in comm
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
+        self.opened = time.monotonic()
+        # The TCP connection it opened on, and its event loop (Channels._hold)
+        self.link: tuple[IOStream, asyncio.AbstractEventLoop] | None = None
         self.nbytes = 0  # of the frames it moved, both ways
         # The peer, on this host, copies large host frames from this
         # process's memory itself: they do not go through MPI
@@ -247,7 +256,11 @@ class Channels:
         self._sweeps.discard(loop)
         me = process_id()
         for channel in list(self._open.values()):
-            if channel.peer != me and all(c.closed() for c in channel.comms):
+            if (
+                channel.peer != me
+                and time.monotonic() - channel.opened >= FREE_AFTER
+                and all(c.closed() for c in channel.comms)
+            ):
                 self.release(channel)
         if any(peer != me for peer in self._open):
             self._sweep_soon()
@@ -283,7 +296,37 @@ class Channels:
         else:
             self._free(channel)
 
+    def _hold(self, channel: Channel, stream: IOStream) -> None:
+        """Keep the TCP connection a channel opened on until the channel is
+        released at either end: its close tells the other end.  (Without it,
+        an end went on sending over a channel that the other had freed.)"""
+        channel.link = stream, asyncio.get_running_loop()
+
+        def closed(fut):
+            if not fut.cancelled():
+                fut.exception()  # a closed stream is what it waits for
+            self.release(channel)
+
+        # The peer writes nothing on it: this waits for its close, or ours
+        stream.read_until_close().add_done_callback(closed)
+
+    @staticmethod
+    def _cut(channel: Channel) -> None:
+        """Close a channel's TCP connection, from any thread"""
+        if channel.link is None:
+            return
+        (stream, loop), channel.link = channel.link, None
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop or loop.is_closed():
+            stream.close()
+        else:
+            loop.call_soon_threadsafe(stream.close)
+
     def _free_later(self, channel: Channel) -> None:
+        self._cut(channel)
         try:
             asyncio.get_running_loop().call_later(FREE_AFTER, self._free, channel)
         except RuntimeError:  # no event loop
@@ -292,6 +335,7 @@ class Channels:
     def _free(self, channel: Channel) -> None:
         """``Free`` is safe whether the peer lives or not (``Disconnect`` would
         wait for ever on a receive left posted)"""
+        self._cut(channel)
         if self._by_id.pop(channel.id, None) is None or mpi_stopped():
             return
         with contextlib.suppress(get_mpi().Exception):
@@ -336,29 +380,29 @@ class Channels:
         task.add_done_callback(lambda _: self._opening.pop(process, None))
 
     async def _dial(self, address: str, peer: dict) -> None:
-        from distributed.comm.tcp import TCPConnector
-
         timeout = parse_timedelta(config("channel-timeout"))
         try:
-            tcp = await TCPConnector().connect(address, deserialize=False)
-        except (OSError, CommClosedError) as e:
+            stream = await asyncio.wait_for(
+                TCPClient().connect(*parse_host_port(address)), timeout
+            )
+        except (OSError, asyncio.TimeoutError) as e:
             logger.info("Cannot reach %s to open an MPI channel: %s", address, e)
             return
+        channel = None
         try:
             mine = {**handshake.hello(), "open": True}
-            reply = await asyncio.wait_for(
-                handshake.exchange(tcp.stream, mine), timeout
-            )
+            reply = await asyncio.wait_for(handshake.exchange(stream, mine), timeout)
             if reply.get("process") == peer["process"] and reply.get("open"):
-                await self.open(tcp.stream, reply)
+                channel = await self.open(stream, reply)
         except Exception as e:
             logger.info("Opening an MPI channel to %s failed: %r", address, e)
         finally:
-            tcp.abort()
+            if channel is None:
+                stream.close()
 
     async def open(self, stream, peer: dict) -> Channel | None:
         """Open the channel to ``peer``, both ends with this, on a TCP
-        ``stream`` of their own: the acceptor sends a port name (none for
+        ``stream`` of their own, which the channel keeps: the acceptor sends a port name (none for
         another rank of its own job) and enters MPI at once; the connector
         follows when it reads the port, if the acceptor is still there.
         If MPI fails at either end, both say so, and give up on each other."""
@@ -415,6 +459,7 @@ class Channels:
             raise
         if error is None and reply.get("opened") is True:
             channel.peer_copies = reply.get("copies") is True
+            self._hold(channel, stream)
             self._publish(channel)  # comms may write over it now
             return channel
         if channel is not None:

@@ -120,7 +120,9 @@ async def handle(comm):
                 await comm.write({"x": to_serialize(_kept[-1])})
                 comm.abort()
                 return
-            if isinstance(msg, dict) and msg.get("op") == "sum":
+            if isinstance(msg, dict) and msg.get("op") == "ones":
+                msg = {"x": to_serialize(np.ones(msg["size"], "u1"))}
+            elif isinstance(msg, dict) and msg.get("op") == "sum":
                 msg = {"sum": int(msg["x"].sum()), "nbytes": msg["x"].nbytes}
             elif isinstance(msg, dict) and msg.get("op") == "echo":
                 x = msg["x"]

@@ -31,7 +31,7 @@ from distributed.comm.tests.mpi_processes import (
     wait_for_file,
 )
 from distributed.protocol import to_serialize
-from distributed.utils_test import captured_logger, gen_test
+from distributed.utils_test import async_poll_for, captured_logger, gen_test
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -208,6 +208,28 @@ async def test_frame_that_its_writer_gave_up_is_not_returned(server, copies):
     with pytest.raises(CommClosedError, match="the writer gave the message up"):
         await comm.read()
     assert sum(copies) >= 8_000_000  # it was copied, then refused
+
+
+@gen_test(timeout=120)
+async def test_a_channel_released_at_one_end_is_released_at_the_other(
+    server, monkeypatch
+):
+    """A channel that no comm uses any more at this end is freed here, while
+    the peer still has a comm that used it, open but idle: the peer must not
+    send over it after that (it did: in a run of the workloads benchmark,
+    every transfer from one worker to another then failed with "message on an
+    unknown MPI channel", and the computation hung)"""
+    monkeypatch.setattr(mpi_channel, "FREE_AFTER", 0.5)
+    address, _ = server
+    idle, _ = await _connect_with_channel(address)
+    channel = idle.channel
+    await idle.write({"op": "stop-reading"})  # its end stays open there
+    await idle.close()
+    await async_poll_for(lambda: mpi_channel.channels.by_id(channel.id) is None, 5)
+    comm = await connect(address)
+    await comm.write({"op": "ones", "size": 4_000_000})
+    assert (await comm.read())["x"].sum() == 4_000_000
+    await comm.close()
 
 
 def _can_unshare_pid() -> bool:
