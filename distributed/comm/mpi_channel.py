@@ -38,11 +38,11 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 A channel is released once no comm uses it at one end: that end closes the
 TCP connection the channel opened on, which both ends keep for as long as it
 is open, and the other end releases it too, so that neither sends over it
-again.  Each frees it :data:`FREE_AFTER` seconds later.  MPICH itself gives back little of a
-connection (about 50-70 KB stay with each process, freed or not), and aborts a
-process on the 1024th distinct job it connects to (its table of jobs,
-``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`, processes of new jobs
-are met over TCP.
+again.  Each frees it :data:`FREE_AFTER` seconds later.  MPICH itself gives
+back little of a connection (about 50-70 KB stay with each process, freed or
+not), and aborts a process on the 1024th distinct job it connects to (its
+table of jobs, ``MPIR_Worlds``, never shrinks): past :data:`MAX_JOBS`,
+processes of new jobs are met over TCP.
 """
 
 from __future__ import annotations
@@ -402,10 +402,11 @@ class Channels:
 
     async def open(self, stream, peer: dict) -> Channel | None:
         """Open the channel to ``peer``, both ends with this, on a TCP
-        ``stream`` of their own, which the channel keeps: the acceptor sends a port name (none for
-        another rank of its own job) and enters MPI at once; the connector
-        follows when it reads the port, if the acceptor is still there.
-        If MPI fails at either end, both say so, and give up on each other."""
+        ``stream`` of their own, which the channel keeps: the acceptor sends
+        a port name (none for another rank of its own job) and enters MPI at
+        once; the connector follows when it reads the port, if the acceptor
+        is still there.  If MPI fails at either end, both say so, and give up
+        on each other."""
         process = peer["process"]
         same_world = handshake.same_world(peer)
         alone, peer_alone = world() is None, peer.get("world") is None
