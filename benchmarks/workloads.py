@@ -241,7 +241,7 @@ def _counters(dask_worker) -> dict:
     channel = sys.modules.get("distributed.comm.mpi_channel")  # never imports it
     if channel is not None:
         with contextlib.suppress(Exception):
-            mpi = sum(c.nbytes for c in channel.channels.to_others())
+            mpi = channel.channels.moved()
     return {
         "fetched": dask_worker.transfer_outgoing_bytes_total,
         "p2p": p2p,

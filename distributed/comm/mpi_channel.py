@@ -200,6 +200,7 @@ class Channels:
         self._jobs: set[str] = set()  # of the peers met with accept/connect
         self._ports: dict[str, str] = {}  # open_port()'s, as MPI opened them
         self._sweeps: weakref.WeakSet = weakref.WeakSet()  # loops that sweep
+        self._released_nbytes = 0  # moved by the channels to others released
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -212,6 +213,11 @@ class Channels:
     def to_others(self) -> list[Channel]:
         """The open channels to other processes"""
         return [c for c in self._open.values() if c.peer != process_id()]
+
+    def moved(self) -> int:
+        """Bytes of the frames this process moved over MPI with others, both
+        ways, over the channels open and those released"""
+        return self._released_nbytes + sum(c.nbytes for c in self.to_others())
 
     def by_id(self, id: int) -> Channel | None:
         """The channel a message head names; none once MPI is stopped"""
@@ -291,6 +297,7 @@ class Channels:
             if channel.peer == process_id():
                 return  # kept for good
             del self._open[channel.peer]
+            self._released_nbytes += channel.nbytes
         if later:
             self._free_later(channel)
         else:

@@ -156,7 +156,7 @@ def moved_over_mpi() -> int:
     (for ``client.run``: workers import it from here)"""
     from distributed.comm.mpi_channel import channels
 
-    return sum(channel.nbytes for channel in channels.to_others())
+    return channels.moved()
 
 
 def channels_to_others() -> int:
