@@ -157,7 +157,7 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
     }
     try:
         peer = await handshake.exchange(
-            stream, mine, None if dial else channels.may_open
+            stream, mine, None if dial else channels.may_accept
         )
     except FatalCommClosedError as e:  # a refusal, or garbage instead of a hello
         if dial is None:
@@ -165,8 +165,8 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         message = f"Cannot connect to {dial}: {e}"
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
-    if peer.get("open") and dial is None:
-        if not (channels.may_open(peer) and await channels.open(stream, peer)):
+    if "open" in peer and dial is None:
+        if not (peer["open"] and await channels.open(stream, peer)):
             stream.close()
         return None  # the channel keeps the stream
     if peer["process"] == mpi_startup.process_id():

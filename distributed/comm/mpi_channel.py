@@ -65,7 +65,7 @@ from tornado.tcpclient import TCPClient
 from distributed.comm import mpi_handshake as handshake
 from distributed.comm.addressing import parse_host_port
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_liveness import LocalPeer, death_watch
+from distributed.comm.mpi_liveness import LocalPeer, death_watch, hung_up
 from distributed.comm.mpi_progress import (
     MPIStopped,
     ProgressEngine,
@@ -239,12 +239,24 @@ class Channels:
             self._by_id[channel.id] = channel
 
     def _publish(self, channel: Channel) -> None:
-        """Let comms write over a channel, once both ends opened it"""
+        """Let comms write over a channel, once both ends opened it.  Of two
+        channels that the two ends opened at once (each dialled the other),
+        both keep the one of lower id, whichever they opened first: each end
+        releasing the one the other kept left them none.  One that the peer
+        has released already is dropped."""
         with self._lock:
             old = self._open.get(channel.peer)
-            self._open[channel.peer] = channel
-        if old is not None:  # the peer forgot it, since it opened this one
-            self._free_later(old)
+            live = [c for c in (old, channel) if c and not _released_by_peer(c)]
+            keep = min(live, key=lambda c: c.id, default=None)
+            if keep is None:
+                self._open.pop(channel.peer, None)
+            else:
+                self._open[channel.peer] = keep
+            if old is not None and old is not keep:
+                self._released_nbytes += old.nbytes
+        for dropped in (old, channel):
+            if dropped is not None and dropped is not keep:
+                self._free_later(dropped)
         self._sweep_soon()
 
     def _sweep_soon(self) -> None:
@@ -373,6 +385,15 @@ class Channels:
             and not handshake.pid_isolated(peer)
             and self.room_for(handshake.job(peer))
         )
+
+    def may_accept(self, peer: dict) -> bool:
+        """Whether to open the channel that the process of this hello came
+        to open.  Not while this process, which sorts first, dials it for
+        one: that one opens, not two (when each end first writes large
+        frames to the other on a comm it dialled, they dial each other)."""
+        process = peer["process"]
+        crossing = process in self._opening and process_id() < process
+        return not crossing and self.may_open(peer)
 
     def open_soon(self, address: str, peer: dict) -> None:
         """Open a channel to the process listening at ``address``, in the
@@ -618,6 +639,15 @@ class _Drain:
                 self.in_flight = [e for e in self.in_flight if e is not entry]
                 completed = True
         return completed
+
+
+def _released_by_peer(channel: Channel) -> bool:
+    """Whether the peer closed the TCP connection of a channel: it released
+    the channel, and this end has not yet read that it did"""
+    if channel.link is None:
+        return False  # to this process
+    stream, _ = channel.link
+    return stream.closed() or hung_up(stream.socket)
 
 
 def _join(peer_rank: int, acceptor: str):

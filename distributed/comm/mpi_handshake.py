@@ -71,7 +71,8 @@ async def exchange(stream, mine: dict, may_open=None) -> dict:
     """Say hello (``mine``) and hear the peer's: its hello, or ``Refused`` (listening)
     or ``FatalCommClosedError`` (connecting) if the two cannot talk over MPI.
     A listener gives ``may_open(hello)``: whether it opens a channel to a peer
-    that asks for one."""
+    that asks for one; the ``"open"`` of the hello it returns then says
+    whether it does."""
     listening = may_open is not None
     if not listening:
         await send(stream, mine)
@@ -83,7 +84,9 @@ async def exchange(stream, mine: dict, may_open=None) -> dict:
     if problem:
         raise FatalCommClosedError(problem)
     if listening:
-        await send(stream, {**mine, "open": bool(peer.get("open")) and may_open(peer)})
+        if "open" in peer:
+            peer["open"] = bool(peer["open"]) and may_open(peer)
+        await send(stream, {**mine, "open": bool(peer.get("open"))})
     return peer
 
 

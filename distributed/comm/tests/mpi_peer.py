@@ -15,6 +15,9 @@ back.
 comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
 normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
 MPI transfers are not complete.  ``{"op": "drop", ...}`` gets no answer.
+``{"op": "cross", "address": A, "size": n}`` makes it connect to the mpi://
+listener at A and write n bytes there, at once; ``{"op": "channel"}`` asks
+for the id of its open channel to the asking process (None: none).
 
 ``python -m distributed.comm.tests.mpi_peer flood ADDRESS FILE`` connects to
 such a server, sends large frames over MPI until a channel is open, asks it to
@@ -128,6 +131,17 @@ async def handle(comm):
                 x = msg["x"]
                 kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
                 msg = {"x": to_serialize(x), "type": kind}
+            elif isinstance(msg, dict) and msg.get("op") == "cross":
+                # Dial back at once, with large frames, while the writer of
+                # this message opens a channel to this process
+                back = await connect(msg["address"])
+                _kept.append(back)
+                await back.write({"x": to_serialize(np.ones(msg["size"], "u1"))})
+                await back.read()
+                msg = {"crossed": True}
+            elif isinstance(msg, dict) and msg.get("op") == "channel":
+                channel = mpi_channel.channels.get(comm._route.peer["process"])
+                msg = {"channel": channel and channel.id}
             elif isinstance(msg, dict) and msg.get("op") == "pending":
                 msg = {"pending": ProgressEngine.current().pending()}
             elif isinstance(msg, dict) and msg.get("op") == "device":

@@ -5,6 +5,7 @@ to each other."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import re
 import socket
@@ -19,7 +20,7 @@ np = pytest.importorskip("numpy")
 import dask
 
 from distributed import Client, Scheduler
-from distributed.comm import CommClosedError, connect, mpi_channel, mpi_startup
+from distributed.comm import CommClosedError, connect, listen, mpi_channel, mpi_startup
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
@@ -230,6 +231,59 @@ async def test_a_channel_released_at_one_end_is_released_at_the_other(
     await comm.write({"op": "ones", "size": 4_000_000})
     assert (await comm.read())["x"].sum() == 4_000_000
     await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
+    tmp_path, monkeypatch
+):
+    """Two processes that write large frames to each other at once, each on
+    a comm it dialled, open a channel each: both must keep the same one, and
+    keep it.  On a busy machine the two ends may finish opening them in
+    opposite orders (in the workloads benchmark, each then released the one
+    the other kept, which left them none): here, this end finishes the
+    first one late."""
+    publish, late = mpi_channel.Channels._publish, set()
+
+    def publish_the_first_late(self, channel):
+        if channel.peer in late:
+            publish(self, channel)
+        else:
+            late.add(channel.peer)
+            asyncio.get_running_loop().call_later(0.3, publish, self, channel)
+
+    monkeypatch.setattr(mpi_channel.Channels, "_publish", publish_the_first_late)
+
+    async def echo(comm):
+        with contextlib.suppress(CommClosedError):
+            while True:
+                await comm.write(await comm.read())
+
+    large = to_serialize(np.ones(4_000_000, "u1"))
+    async with listen("mpi://127.0.0.1:0", echo) as listener:
+        for i in range(3):  # each pair crosses in its own way
+            path = str(tmp_path / f"address-{i}")
+            with mpiexec([*PEER, "serve", path]) as proc:
+                comm = await connect(wait_for_file(path, proc))
+                peer = comm._route.peer["process"]
+                cross = {"op": "cross", "address": listener.contact_address}
+                await comm.write({**cross, "size": 4_000_000, "x": large})
+                assert await comm.read() == {"crossed": True}
+
+                async def kept() -> int | None:
+                    await comm.write({"op": "channel"})
+                    theirs = (await comm.read())["channel"]
+                    mine = mpi_channel.channels.get(peer)
+                    return theirs if mine and mine.id == theirs else None
+
+                for _ in range(100):
+                    if (channel := await kept()) is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert channel is not None, "the two ends keep no channel alike"
+                await asyncio.sleep(0.5)
+                assert await kept() == channel
+                await comm.close()
 
 
 def _can_unshare_pid() -> bool:
