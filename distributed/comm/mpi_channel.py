@@ -65,7 +65,7 @@ from tornado.tcpclient import TCPClient
 from distributed.comm import mpi_handshake as handshake
 from distributed.comm.addressing import parse_host_port
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_liveness import LocalPeer, death_watch, hung_up
+from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_progress import (
     MPIStopped,
     ProgressEngine,
@@ -644,10 +644,8 @@ class _Drain:
 def _released_by_peer(channel: Channel) -> bool:
     """Whether the peer closed the TCP connection of a channel: it released
     the channel, and this end has not yet read that it did"""
-    if channel.link is None:
-        return False  # to this process
-    stream, _ = channel.link
-    return stream.closed() or hung_up(stream.socket)
+    # No link: the channel to this process
+    return channel.link is not None and handshake.peer_gone(channel.link[0])
 
 
 def _join(peer_rank: int, acceptor: str):
