@@ -15,3 +15,12 @@ def ratio_interval(b: list, a: list, draws: int = 2000) -> list[float]:
         for _ in range(draws)
     )
     return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
+
+
+def paired_ratio_interval(ratios: list, draws: int = 2000) -> list[float]:
+    """A 95 % bootstrap interval of the median of paired ratios"""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)
+    )
+    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]

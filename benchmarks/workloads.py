@@ -31,12 +31,17 @@ Workers have ``--threads`` threads each (default 1: this benchmark was written
 on a 2-core machine, where four workers of one thread and a scheduler already
 ask for more than there is), and the default memory limits.
 
-tcp:// and mpi:// alternate: in each round, each mode starts a fresh cluster
-for each protocol, tcp first in one round and mpi first in the next (the two
-modes in opposite orders). Each cluster runs each workload once to warm up and
-then ``--repeat`` times (default 5; 1 with ``--quick``, which also makes the
-sizes smaller: a check that everything works, not figures); a workload's
-figure is the median of its timed runs over all rounds. Also recorded per
+tcp:// and mpi:// alternate: in each round, each mode starts a cluster for
+each protocol (tcp first in one round and mpi first in the next, the two modes
+in opposite orders) and keeps the two side by side, the one idle while the
+other computes. Each cluster runs each workload once to warm up; then the
+two take turns, one timed run each, ``--repeat`` pairs (default 5; 1 with
+``--quick``, which also makes the sizes smaller: a check that everything works,
+not figures), the first of a pair alternating. A workload's mpi/tcp is the
+median of the ratios of its pairs over all rounds: two runs next to each other
+in time see the same machine, where runs a minute apart differ by up to 10 %
+here (the CPU time of a run drifts with its wall time: the machine's speed
+changes, not the transport). Also recorded per
 workload: bytes moved between workers (data fetched by workers from others,
 from their transfer counters, plus the bytes P2P sent through its comms,
 including each worker's share to itself), CPU seconds of the scheduler (and
@@ -49,14 +54,16 @@ comms' TCP connections).
 ratios show how far two runs of one transport land apart on this machine, the
 noise against which the ratios of a real run are read.
 
-Every cluster runs in a child process of its own (``workloads.py run MODE
-PROTOCOL``) with a timeout, so that MPI started in one run cannot touch the
-next one; the whole process group is killed after each run, and processes
-left over are reported. Writes ``workloads.json`` (``workloads[mode][name]``:
-per protocol the median ``seconds``, all ``times``, ``bytes_moved``,
-``cpu_seconds``, ``over_mpi_bytes``; ``mpi/tcp`` and ``mpi/tcp 95%``, a
-bootstrap interval of it; ``runs``: each cluster's own figures, start-up time,
-mpiexec's exit status, leftovers) and ``workloads.png``.
+Every cluster runs in a child process of its own (``workloads.py serve MODE
+PROTOCOL``), which runs a workload when the driver asks and must answer within
+a timeout, so that MPI started in one cluster cannot touch another; the whole
+process group is killed after each cluster, and processes left over are
+reported. Writes ``workloads.json`` (``workloads[mode][name]``: per protocol
+the median ``seconds``, all ``times``, ``bytes_moved``, ``cpu_seconds``,
+``over_mpi_bytes``; ``pairs``, the ratios mpi/tcp of the pairs of runs;
+``mpi/tcp``, their median, and ``mpi/tcp 95%``, a bootstrap interval of it;
+``runs``: each cluster's own figures, start-up time, mpiexec's exit status,
+leftovers) and ``workloads.png``.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -72,7 +80,7 @@ import sys
 import tempfile
 import time
 
-from stats import ratio_interval
+from stats import paired_ratio_interval
 
 HERE = os.path.abspath(__file__)
 MODES = ["LocalCluster", "mpiexec"]
@@ -282,30 +290,45 @@ def settle(client, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-def measure(client, name: str, params: dict, repeat: int, on_mpi: bool) -> dict:
-    run = WORKLOADS[name]
-    run(client, **params)  # warm up
+def run_once(client, name: str, params: dict, on_mpi: bool) -> dict:
+    """One timed run of a workload, and what it moved and cost"""
+    before = counters(client)
+    seconds = WORKLOADS[name](client, **params)
     settle(client)
-    times, moved, p2p, mpi, cpu = [], [], [], [], []
-    for _ in range(repeat):
-        before = counters(client)
-        times.append(run(client, **params))
-        settle(client)
-        after = counters(client)
-        moved.append(
-            after["fetched"] - before["fetched"] + after["p2p"] - before["p2p"]
-        )
-        p2p.append(after["p2p"] - before["p2p"])
-        cpu.append(after["cpu"] - before["cpu"])
-        if on_mpi and after["mpi"] is not None and before["mpi"] is not None:
-            mpi.append(after["mpi"] - before["mpi"])
+    after = counters(client)
+    mpi = None
+    if on_mpi and after["mpi"] is not None and before["mpi"] is not None:
+        mpi = after["mpi"] - before["mpi"]
     return {
-        "times": times,
-        "bytes_moved": statistics.median(moved),
-        "p2p_bytes": statistics.median(p2p),
-        "over_mpi_bytes": statistics.median(mpi) if mpi else None,
-        "cpu_seconds": statistics.median(cpu),
+        "seconds": seconds,
+        "moved": after["fetched"] - before["fetched"] + after["p2p"] - before["p2p"],
+        "p2p": after["p2p"] - before["p2p"],
+        "mpi": mpi,
+        "cpu": after["cpu"] - before["cpu"],
     }
+
+
+def warm_up(client, name: str, params: dict) -> None:
+    WORKLOADS[name](client, **params)
+    settle(client)
+
+
+def figures(runs: list[dict]) -> dict:
+    """A cluster's figures for one workload, from its timed runs"""
+    mpi = [r["mpi"] for r in runs if r["mpi"] is not None]
+    return {
+        "times": [r["seconds"] for r in runs],
+        "bytes_moved": statistics.median(r["moved"] for r in runs),
+        "p2p_bytes": statistics.median(r["p2p"] for r in runs),
+        "over_mpi_bytes": statistics.median(mpi) if mpi else None,
+        "cpu_seconds": statistics.median(r["cpu"] for r in runs),
+    }
+
+
+def measure(client, name: str, params: dict, repeat: int, on_mpi: bool) -> dict:
+    """A warm-up and ``repeat`` timed runs of a workload"""
+    warm_up(client, name, params)
+    return figures([run_once(client, name, params, on_mpi) for _ in range(repeat)])
 
 
 # -- one cluster, in a child process -----------------------------------------
@@ -350,7 +373,10 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
         cmd += ["--no-nanny", "--nthreads", str(threads), "--no-dashboard"]
         log = open(os.path.join(tmp, "job.log"), "w+")
         started = time.time()
-        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # Not this process's stdin, which mpiexec would forward to rank 0
+        job = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 120
             while not os.path.exists(sched_file):
@@ -392,23 +418,35 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
             log.close()
 
 
-def run(
-    mode: str, protocol: str, names: list[str], quick: bool, repeat: int, threads: int
-):
+def serve(mode: str, protocol: str, quick: bool, threads: int) -> None:
+    """Start a cluster, and run the workloads that the driver names on its
+    stdin, one run each, one reply line each"""
     start = time.perf_counter()
     cluster = local_cluster if mode == "LocalCluster" else mpiexec_job
     info = {}
     with cluster(protocol, threads, info) as client:
-        started = time.perf_counter() - start
         addresses = list(client.scheduler_info()["workers"])
         assert all(a.startswith(protocol + "://") for a in addresses), addresses
-        results = {"startup_seconds": started, "workloads": {}}
-        for name in names:
-            print(f"  {mode} {protocol}:// {name}", file=sys.stderr, flush=True)
-            results["workloads"][name] = measure(
-                client, name, sizes(quick)[name], repeat, protocol == "mpi"
-            )
-    return {**results, **info}
+        reply({"startup_seconds": time.perf_counter() - start})
+        for line in sys.stdin:
+            ask = json.loads(line)
+            if ask["op"] == "stop":
+                break
+            name, params = ask["name"], sizes(quick)[ask["name"]]
+            print(f"  {mode} {protocol}:// {ask['op']} {name}", file=sys.stderr)
+            if ask["op"] == "warm_up":
+                warm_up(client, name, params)
+                reply({})
+            else:
+                reply(run_once(client, name, params, protocol == "mpi"))
+    reply(info)
+
+
+REPLY = "@workloads@ "  # marks the driver's lines among whatever else is printed
+
+
+def reply(obj: dict) -> None:
+    print(REPLY + json.dumps(obj), flush=True)
 
 
 # -- the driver ---------------------------------------------------------------
@@ -434,46 +472,122 @@ def leftovers(pgid: int, grace: float = 10) -> list[str]:
         time.sleep(0.2)
 
 
-def one_run(mode: str, protocol: str, args, timeout: float) -> dict:
-    cmd = [sys.executable, HERE, "run", mode, protocol, "--repeat", str(args.repeat)]
-    cmd += ["--threads", str(args.threads), "--only", ",".join(args.only)]
-    cmd += ["--quick"] if args.quick else []
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
+class Cluster:
+    """A cluster in a child process (``workloads.py serve MODE PROTOCOL``),
+    run by the driver one workload run at a time; each reply within
+    ``timeout`` seconds.  ``result``: its figures so far, or its error."""
+
+    def __init__(self, mode: str, protocol: str, args, timeout: float):
+        self.name = f"{mode} {protocol}://"
+        self.timeout = timeout
+        cmd = [sys.executable, HERE, "serve", mode, protocol]
+        cmd += ["--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            start_new_session=True,
         )
+        self._pending = b""
+        self.runs: dict[str, list] = {}
+        self.result = {"workloads": {}}
+
+    def start(self) -> None:
+        """Once the cluster is up"""
+        self.result.update(self._ask(None))
+
+    def warm_up(self, name: str) -> None:
+        self._ask({"op": "warm_up", "name": name})
+
+    def time(self, name: str) -> None:
+        self.runs.setdefault(name, []).append(self._ask({"op": "run", "name": name}))
+
+    def _ask(self, ask: dict | None) -> dict:
         try:
-            stdout, _ = proc.communicate(timeout=timeout)
-            result = (
-                json.loads(stdout.strip().splitlines()[-1])
-                if proc.returncode == 0
-                else None
+            if ask is not None:
+                self.proc.stdin.write(json.dumps(ask).encode() + b"\n")
+                self.proc.stdin.flush()
+            return self._reply()
+        except (OSError, TimeoutError, RuntimeError) as e:
+            self._failed(e)
+            raise RuntimeError(f"{self.name} failed") from e
+
+    def _reply(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(REPLY):
+                    return json.loads(text[len(REPLY) :])
+            ready, _, _ = select.select(
+                [self.proc.stdout], [], [], max(0, deadline - time.monotonic())
             )
-        except subprocess.TimeoutExpired:
-            result = None
-        finally:
-            left = leftovers(proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        err.seek(0)
-        log = err.read()
-    if result is None:
-        result = {
-            "error": f"exit {proc.returncode}" if proc.returncode else "timed out"
-        }
+            if not ready:
+                raise TimeoutError("timed out")
+            data = os.read(self.proc.stdout.fileno(), 2**16)
+            if not data:
+                raise RuntimeError(f"exit {self.proc.wait()}")
+            self._pending += data
+
+    def _failed(self, error: Exception) -> None:
+        if "error" in self.result:
+            return
+        self.result["error"] = str(error.__cause__ or error) or type(error).__name__
+        self.err.seek(0)
+        log = self.err.read()
         print(
-            f"{mode} {protocol}:// FAILED ({result['error']}):\n{log[-6000:]}",
+            f"{self.name} FAILED ({self.result['error']}):\n{log[-6000:]}",
             file=sys.stderr,
         )
-    if left:
-        print(f"{mode} {protocol}://: left behind, killed: {left}", file=sys.stderr)
-    result["left_behind"] = left
-    return result
+
+    def stop(self) -> dict:
+        """Shut the cluster down; kill whatever is left of its processes"""
+        if "error" not in self.result:
+            with contextlib.suppress(RuntimeError):
+                self.result.update(self._ask({"op": "stop"}))
+        left = leftovers(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.err.close()
+        if left:
+            print(f"{self.name}: left behind, killed: {left}", file=sys.stderr)
+        self.result["left_behind"] = left
+        for name, runs in self.runs.items():
+            self.result["workloads"][name] = figures(runs)
+        return self.result
+
+
+def one_round(mode: str, order: list[str], args, timeout: float) -> dict:
+    """Both clusters of a mode, started one after the other and kept side by
+    side; each workload's timed runs alternate between them in pairs, the
+    first of a pair taking turns (ABBA), so that the machine's drift
+    weighs on both alike"""
+    clusters = {}
+    try:
+        for protocol in order:
+            ran = "tcp" if args.control else protocol
+            clusters[protocol] = Cluster(mode, ran, args, timeout)
+            clusters[protocol].start()
+        for name in args.only:
+            for protocol in order:
+                clusters[protocol].warm_up(name)
+            for i in range(args.repeat):
+                for protocol in order if i % 2 == 0 else order[::-1]:
+                    clusters[protocol].time(name)
+    except RuntimeError:
+        pass  # the failed cluster said why; the other one stops too
+    finally:
+        results = {protocol: c.stop() for protocol, c in clusters.items()}
+    return results
 
 
 def summarize(results: dict, names: list[str]) -> None:
-    """Medians over the rounds; the ratio mpi/tcp"""
+    """Medians over the rounds; mpi/tcp, the median of the ratios of the
+    pairs of timed runs"""
     for mode, runs in results["runs"].items():
         table = results["workloads"].setdefault(mode, {})
         for name in names:
@@ -498,11 +612,18 @@ def summarize(results: dict, names: list[str]) -> None:
                 ]
                 if mpi:
                     row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
-            if "tcp://" in row and "mpi://" in row:
-                row["mpi/tcp"] = row["mpi://"]["seconds"] / row["tcp://"]["seconds"]
-                row["mpi/tcp 95%"] = ratio_interval(
-                    row["mpi://"]["times"], row["tcp://"]["times"]
+            pairs = [
+                m / t
+                for tcp, mpi in zip(runs["tcp://"], runs["mpi://"])
+                for t, m in zip(
+                    tcp.get("workloads", {}).get(name, {}).get("times", []),
+                    mpi.get("workloads", {}).get(name, {}).get("times", []),
                 )
+            ]
+            if pairs:
+                row["pairs"] = pairs
+                row["mpi/tcp"] = statistics.median(pairs)
+                row["mpi/tcp 95%"] = paired_ratio_interval(pairs)
             table[name] = row
 
 
@@ -612,14 +733,8 @@ def main() -> None:
         # each mode: tcp first in one round, mpi first in the next
         for i, mode in enumerate(modes):
             order = ["tcp", "mpi"] if (rnd + i) % 2 == 0 else ["mpi", "tcp"]
-            for protocol in order:
-                print(
-                    f"round {rnd + 1}: {mode} {protocol}://",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                ran = "tcp" if args.control else protocol
-                result = one_run(mode, ran, args, timeout)
+            print(f"round {rnd + 1}: {mode}", file=sys.stderr, flush=True)
+            for protocol, result in one_round(mode, order, args, timeout).items():
                 result["round"] = rnd + 1
                 results["runs"][mode][f"{protocol}://"].append(result)
                 results["order"].append([rnd + 1, mode, f"{protocol}://"])
@@ -645,27 +760,17 @@ def main() -> None:
 
 def child() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("run")
+    parser.add_argument("serve")
     parser.add_argument("mode", choices=MODES)
     parser.add_argument("protocol")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only", default=",".join(NAMES))
     args = parser.parse_args()
-    result = run(
-        args.mode,
-        args.protocol,
-        args.only.split(","),
-        args.quick,
-        args.repeat,
-        args.threads,
-    )
-    print(json.dumps(result), flush=True)
+    serve(args.mode, args.protocol, args.quick, args.threads)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["run"]:
+    if sys.argv[1:2] == ["serve"]:
         child()
     else:
         main()
