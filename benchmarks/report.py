@@ -167,10 +167,11 @@ def workloads_lines(wl: dict) -> list[str]:
     s = wl["settings"]
     lines = [
         f"A scheduler and {s['workers']} workers of {s['threads']} thread(s); "
-        f"median of {s['repeat']} timed runs in each of {s['rounds']} round(s), "
-        "tcp:// and mpi:// alternating.",
+        f"{s['repeat']} pairs of timed runs (one tcp://, one mpi://, next to each "
+        f"other) in each of {s['rounds']} round(s); mpi/tcp is the median of "
+        "the pairs' ratios.",
         "",
-        "The interval after mpi/tcp: 95 % of bootstrap resamplings of the runs "
+        "The interval after mpi/tcp: 95 % of bootstrap resamplings of the pairs "
         "fall there.",
         "",
         "| workload | launched by | tcp:// | mpi:// | mpi/tcp | moved between workers "
