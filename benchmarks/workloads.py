@@ -612,13 +612,17 @@ def summarize(results: dict, names: list[str]) -> None:
                 ]
                 if mpi:
                     row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
+            times = {
+                (protocol, r["round"]): r["workloads"][name]["times"]
+                for protocol in ["tcp://", "mpi://"]
+                for r in runs[protocol]
+                if name in r.get("workloads", {})
+            }
             pairs = [
                 m / t
-                for tcp, mpi in zip(runs["tcp://"], runs["mpi://"])
-                for t, m in zip(
-                    tcp.get("workloads", {}).get(name, {}).get("times", []),
-                    mpi.get("workloads", {}).get(name, {}).get("times", []),
-                )
+                for (protocol, rnd), tcp in times.items()
+                if protocol == "tcp://"
+                for t, m in zip(tcp, times.get(("mpi://", rnd), []))
             ]
             if pairs:
                 row["pairs"] = pairs
