@@ -9,18 +9,23 @@ import statistics
 def ratio_interval(b: list, a: list, draws: int = 2000) -> list[float]:
     """A 95 % bootstrap interval of median(b) / median(a)"""
     rng = random.Random(0)
-    ratios = sorted(
+    return _middle_95(
         statistics.median(rng.choices(b, k=len(b)))
         / statistics.median(rng.choices(a, k=len(a)))
         for _ in range(draws)
     )
-    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
 
 
 def paired_ratio_interval(ratios: list, draws: int = 2000) -> list[float]:
     """A 95 % bootstrap interval of the median of paired ratios"""
     rng = random.Random(0)
-    medians = sorted(
+    return _middle_95(
         statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)
     )
-    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
+
+
+def _middle_95(estimates) -> list[float]:
+    """Where the middle 95 % of the bootstrap's estimates lie"""
+    estimates = sorted(estimates)
+    n = len(estimates)
+    return [estimates[int(0.025 * n)], estimates[int(0.975 * n) - 1]]

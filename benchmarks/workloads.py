@@ -475,7 +475,8 @@ def leftovers(pgid: int, grace: float = 10) -> list[str]:
 class Cluster:
     """A cluster in a child process (``workloads.py serve MODE PROTOCOL``),
     run by the driver one workload run at a time; each reply within
-    ``timeout`` seconds.  ``result``: its figures so far, or its error."""
+    ``timeout`` seconds.  ``stop()`` returns its figures, and its error if
+    it failed."""
 
     def __init__(self, mode: str, protocol: str, args, timeout: float):
         self.name = f"{mode} {protocol}://"
@@ -591,38 +592,39 @@ def summarize(results: dict, names: list[str]) -> None:
     for mode, runs in results["runs"].items():
         table = results["workloads"].setdefault(mode, {})
         for name in names:
-            row = {}
+            row, by_round = {}, {}
             for protocol in ["tcp://", "mpi://"]:
-                done = [
-                    r["workloads"][name]
+                done = by_round[protocol] = {
+                    r["round"]: r["workloads"][name]
                     for r in runs[protocol]
                     if name in r.get("workloads", {})
-                ]
+                }
                 if not done:
                     continue
-                times = [t for d in done for t in d["times"]]
+                times = [t for d in done.values() for t in d["times"]]
                 row[protocol] = {
                     "seconds": statistics.median(times),
                     "times": times,
-                    "bytes_moved": statistics.median(d["bytes_moved"] for d in done),
-                    "cpu_seconds": statistics.median(d["cpu_seconds"] for d in done),
+                    "bytes_moved": statistics.median(
+                        d["bytes_moved"] for d in done.values()
+                    ),
+                    "cpu_seconds": statistics.median(
+                        d["cpu_seconds"] for d in done.values()
+                    ),
                 }
                 mpi = [
-                    d["over_mpi_bytes"] for d in done if d["over_mpi_bytes"] is not None
+                    d["over_mpi_bytes"]
+                    for d in done.values()
+                    if d["over_mpi_bytes"] is not None
                 ]
                 if mpi:
                     row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
-            times = {
-                (protocol, r["round"]): r["workloads"][name]["times"]
-                for protocol in ["tcp://", "mpi://"]
-                for r in runs[protocol]
-                if name in r.get("workloads", {})
-            }
+            # A pair: the two runs of one round made next to each other
             pairs = [
                 m / t
-                for (protocol, rnd), tcp in times.items()
-                if protocol == "tcp://"
-                for t, m in zip(tcp, times.get(("mpi://", rnd), []))
+                for rnd, tcp in by_round["tcp://"].items()
+                if rnd in by_round["mpi://"]
+                for t, m in zip(tcp["times"], by_round["mpi://"][rnd]["times"])
             ]
             if pairs:
                 row["pairs"] = pairs
