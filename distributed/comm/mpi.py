@@ -57,6 +57,7 @@ from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_liveness import hung_up
 from distributed.comm.mpi_progress import ProgressEngine, Stalled
 from distributed.comm.mpi_startup import config, get_mpi
+from distributed.comm.mpi_stream import SocketStream
 from distributed.comm.tcp import (
     MAX_BUFFER_SIZE,
     TCP,
@@ -195,6 +196,8 @@ class MPI(TCP):
     frames travel over MPI instead starts with a :class:`Head` that says which."""
 
     def __init__(self, stream, local_addr: str, peer_addr: str, deserialize=True):
+        if isinstance(stream, IOStream):  # from TCPConnector
+            stream = SocketStream.adopt(stream)
         super().__init__(stream, local_addr, peer_addr, deserialize)
         self._socket = stream.socket  # to see the peer hang up before TCP reads
         self._route: _Route | None = None  # from the handshake
@@ -241,8 +244,35 @@ class MPI(TCP):
             self.abort()
             raise CommClosedError("aborted stream on truncated data")
 
-    def frame_buffer(self, nbytes: int) -> memoryview:
-        return socket_buffer(nbytes)
+    async def read_frames(self) -> list:
+        stream = self.stream
+        if stream is None:
+            raise CommClosedError()
+        try:
+            # Not self.frame_buffer: the stream, which the event loop holds
+            # while it is open, must not keep the comm alive
+            return await stream.read_message(socket_buffer)
+        except StreamClosedError as e:
+            self.stream = None
+            self._closed = True
+            convert_stream_closed_error(self, e)
+        except BaseException:
+            self.abort()  # where the next message starts is unknown
+            raise
+
+    def write_frames(self, frames: list) -> int:
+        stream = self.stream
+        if stream is None:
+            raise CommClosedError()
+        try:
+            return stream.write_message(frames)
+        except StreamClosedError as e:
+            self.stream = None
+            self._closed = True
+            convert_stream_closed_error(self, e)
+        except BaseException:
+            self.abort()
+            raise
 
     async def _receive(self, head: Head, frames: list) -> list:
         """Receive the frames of a message that travel over MPI, copy those
@@ -569,7 +599,7 @@ def _local_name(address: str) -> str:
     return "\0distributed-mpi:" + address
 
 
-def _connect_locally(address: str) -> IOStream | None:
+def _connect_locally(address: str) -> SocketStream | None:
     """A stream to the listener at ``address`` over its Unix socket, if it is
     on this host and runs as this user; else None"""
     if not sys.platform.startswith("linux"):
@@ -588,7 +618,7 @@ def _connect_locally(address: str) -> IOStream | None:
     except OSError:
         sock.close()
         return None
-    return IOStream(sock, max_buffer_size=MAX_BUFFER_SIZE)
+    return SocketStream(sock)
 
 
 class MPIConnector(TCPConnector):
@@ -679,6 +709,7 @@ class MPIListener(TCPListener):
 
     async def _prepare_stream(self, stream, address):
         """The mpi:// handshake, before the comm exists"""
+        stream = SocketStream.adopt(stream)
         try:
             route = await wait_for(_handshake(stream), _connect_timeout())
         except Exception as e:
