@@ -59,7 +59,6 @@ import time
 import weakref
 
 from dask.utils import parse_timedelta
-from tornado.iostream import IOStream
 from tornado.tcpclient import TCPClient
 
 from distributed.comm import mpi_handshake as handshake
@@ -83,6 +82,7 @@ from distributed.comm.mpi_startup import (
     skip_finalize,
     world,
 )
+from distributed.comm.mpi_stream import SocketStream
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Channel:
         self.comms: weakref.WeakSet = weakref.WeakSet()  # mpi:// comms using it
         self.opened = time.monotonic()
         # The TCP connection it opened on, and its event loop (Channels._hold)
-        self.link: tuple[IOStream, asyncio.AbstractEventLoop] | None = None
+        self.link: tuple[SocketStream, asyncio.AbstractEventLoop] | None = None
         self.nbytes = 0  # of the frames it moved, both ways
         # The peer, on this host, copies large host frames from this
         # process's memory itself: they do not go through MPI
@@ -315,7 +315,7 @@ class Channels:
         else:
             self._free(channel)
 
-    def _hold(self, channel: Channel, stream: IOStream) -> None:
+    def _hold(self, channel: Channel, stream: SocketStream) -> None:
         """Keep the TCP connection a channel opened on until the channel is
         released at either end: its close tells the other end.  (Without it,
         an end went on sending over a channel that the other had freed.)"""
@@ -410,8 +410,10 @@ class Channels:
     async def _dial(self, address: str, peer: dict) -> None:
         timeout = parse_timedelta(config("channel-timeout"))
         try:
-            stream = await asyncio.wait_for(
-                TCPClient().connect(*parse_host_port(address)), timeout
+            stream = SocketStream.adopt(
+                await asyncio.wait_for(
+                    TCPClient().connect(*parse_host_port(address)), timeout
+                )
             )
         except (OSError, asyncio.TimeoutError) as e:
             logger.info("Cannot reach %s to open an MPI channel: %s", address, e)

@@ -231,6 +231,16 @@ class SocketStream:
     def _take(self) -> None:
         """Take what the buffer holds into the memory being filled, and
         start each next frame and message"""
+        try:
+            self._take_buffered()
+        except Exception as e:  # garbage for frame sizes; no memory for them
+            self.close(e)
+            return
+        if self._start == self._end:
+            self._start = self._end = 0
+        self._read_on()
+
+    def _take_buffered(self) -> None:
         while not self._closed:
             into = self._into
             if into is not None:
@@ -254,9 +264,6 @@ class SocketStream:
                 if self._discard:
                     self._start = self._end
                 break
-        if self._start == self._end:
-            self._start = self._end = 0
-        self._read_on()
 
     def _landed(self, into: memoryview) -> None:
         """``into`` is full: the bytes a read_bytes asked for, the first part

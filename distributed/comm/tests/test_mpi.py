@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import gc
 import json
-import socket
 import os
+import socket
+import struct
 import select
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 import weakref
 
 import pytest
+from tornado.iostream import StreamClosedError
 
 pytest.importorskip("mpi4py")
 np = pytest.importorskip("numpy")
@@ -34,7 +36,7 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
-from distributed.comm import mpi_buffers, mpi_handshake, mpi_startup
+from distributed.comm import mpi_buffers, mpi_handshake, mpi_startup, mpi_stream
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
@@ -817,6 +819,57 @@ async def test_frames_received_into_freed_memory_keep_their_values():
             del got
         assert [int(x[0]) for x in kept] == [1, 3, 5, 7]
         assert all((x == x[0]).all() for x in kept)
+
+
+@gen_test()
+async def test_messages_keep_their_frames_whatever_their_sizes_on_the_socket():
+    """Frames below, at and above what one read of the socket asks for, and
+    empty ones, come whole, in order, and writable (numpy arrays made on
+    them must be)"""
+    a, b = socket.socketpair()
+    writer, reader = mpi_stream.SocketStream(a), mpi_stream.SocketStream(b)
+    try:
+        step = mpi_stream.READ_SIZE
+        sizes = [0, 1, step - 1, step, step + 1, 5 * 2**20 + 3, 0, 100]
+        sent = [np.random.randint(0, 256, n, "u1").data for n in sizes]
+        for _ in range(3):
+            writer.write_message(sent)
+        for _ in range(3):
+            got = await reader.read_message(mpi_buffers.socket_buffer)
+            assert [bytes(f) for f in got] == [bytes(f) for f in sent]
+            assert not any(memoryview(f).readonly for f in got)
+        writer.close()
+        with pytest.raises(StreamClosedError):
+            await reader.read_message(mpi_buffers.socket_buffer)
+    finally:
+        writer.close()
+        reader.close()
+
+
+@gen_test()
+async def test_messages_nobody_reads_leave_the_socket_unread():
+    """A comm reads a few messages ahead at most (and what one read of the
+    socket brought): the rest wait in the kernel and the writer, as on
+    tcp://, and come in order when read"""
+    async with comm_pair() as (a, b):
+        for i in range(40):
+            await a.write({"i": i, "pad": b"x" * 100_000})
+        await asyncio.sleep(0.2)
+        assert len(b.stream._messages) == mpi_stream._BACKLOG
+        assert [(await b.read())["i"] for _ in range(40)] == list(range(40))
+        await a.close()
+        await b.close()
+
+
+@gen_test()
+async def test_garbage_instead_of_a_message_closes_the_comm():
+    """A frame size no memory can hold: the read fails, the comm closes"""
+    async with comm_pair() as (a, b):
+        await a.stream.write(struct.pack("Q", 2**62) + b"garbage")
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(b.read(), 5)
+        assert b.closed()
+        await a.close()
 
 
 @gen_test()
