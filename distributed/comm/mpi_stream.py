@@ -21,6 +21,7 @@ import collections
 import itertools
 import socket
 import struct
+import threading
 
 from tornado.iostream import IOStream, StreamClosedError
 
@@ -38,6 +39,17 @@ _IOV_MAX = 512
 # when asked to
 _BACKLOG = 8
 _SIZE = struct.Struct("Q")
+_scratches = threading.local()
+
+
+def _scratch() -> memoryview:
+    """The memory that this thread reads sockets into: one for every stream,
+    since what nothing takes at once is copied out"""
+    try:
+        return _scratches.buffer
+    except AttributeError:
+        _scratches.buffer = memoryview(bytearray(READ_SIZE))
+        return _scratches.buffer
 
 
 class SocketStream:
@@ -49,8 +61,7 @@ class SocketStream:
         self.error: BaseException | None = None
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
-        self._buffer = memoryview(bytearray(READ_SIZE))
-        self._start = self._end = 0  # the bytes read and not yet taken
+        self._held = b""  # bytes read that nothing took yet: usually none
         # The memory being filled, how much of it is, and what to do when
         # it is full (see _landed)
         self._into: memoryview | None = None
@@ -180,8 +191,10 @@ class SocketStream:
     # -- reading ----------------------------------------------------------
 
     def _read_on(self) -> None:
-        if self._reading or self._closed or len(self._messages) >= _BACKLOG:
+        if self._reading or self._closed:
             return
+        if len(self._messages) >= _BACKLOG or len(self._held) >= READ_SIZE:
+            return  # nothing takes what came
         self._reading = True
         self._loop.add_reader(self._fd, self._readable)
 
@@ -197,13 +210,11 @@ class SocketStream:
                 # Straight into the frame: no copy
                 n = self.socket.recv_into(into[self._filled :])
                 self._filled += n
+                data = None
             else:
-                if self._end == READ_SIZE:
-                    if not self._compact():
-                        self._read_off()  # full: nothing takes what came
-                        return
-                n = self.socket.recv_into(self._buffer[self._end :])
-                self._end += n
+                data = _scratch()
+                n = self.socket.recv_into(data)
+                data = data[:n]
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -212,58 +223,55 @@ class SocketStream:
         if n == 0:
             self.close()  # the peer closed the connection
             return
-        self._take()
-
-    def _compact(self) -> bool:
-        """Move the bytes not taken to the buffer's start; whether that
-        made room"""
-        start, end = self._start, self._end
-        if start == 0:
-            return False
-        self._buffer[: end - start] = self._buffer[start:end]
-        self._start, self._end = 0, end - start
-        return True
+        self._take(data)
 
     def _fill(self, into: memoryview) -> None:
         self._into, self._filled = into, 0
         self._take()
 
-    def _take(self) -> None:
-        """Take what the buffer holds into the memory being filled, and
-        start each next frame and message"""
+    def _take(self, data: memoryview | None = None) -> None:
+        """Take what was held back, then ``data`` (which is only lent), into
+        the memory being filled, starting each next frame and message; hold
+        back what nothing takes yet"""
+        if self._held:
+            data = memoryview(self._held + bytes(data or b""))
+        elif data is None:
+            data = memoryview(b"")
         try:
-            self._take_buffered()
+            taken = self._take_from(data)
         except Exception as e:  # garbage for frame sizes; no memory for them
             self.close(e)
             return
-        if self._start == self._end:
-            self._start = self._end = 0
-        self._read_on()
+        self._held = bytes(data[taken:]) if taken < data.nbytes else b""
+        if len(self._held) >= READ_SIZE:
+            self._read_off()
+        else:
+            self._read_on()
 
-    def _take_buffered(self) -> None:
+    def _take_from(self, data: memoryview) -> int:
+        """How many bytes of ``data`` were taken"""
+        at, end = 0, data.nbytes
         while not self._closed:
             into = self._into
             if into is not None:
-                n = min(into.nbytes - self._filled, self._end - self._start)
+                n = min(into.nbytes - self._filled, end - at)
                 if n:
-                    start = self._start
-                    into[self._filled : self._filled + n] = self._buffer[
-                        start : start + n
-                    ]
-                    self._start += n
+                    into[self._filled : self._filled + n] = data[at : at + n]
+                    at += n
                     self._filled += n
                 if self._filled < into.nbytes:
                     break
                 self._into = None
                 self._landed(into)
-            elif self._allocate is not None and self._end - self._start >= 8:
-                (size,) = _SIZE.unpack_from(self._buffer, self._start)
-                self._start += 8
+            elif self._allocate is not None and end - at >= 8:
+                (size,) = _SIZE.unpack_from(data, at)
+                at += 8
                 self._into, self._filled = self._allocate(size), 0
             else:
                 if self._discard:
-                    self._start = self._end
+                    at = end
                 break
+        return at
 
     def _landed(self, into: memoryview) -> None:
         """``into`` is full: the bytes a read_bytes asked for, the first part
