@@ -245,12 +245,13 @@ class MPI(TCP):
             raise CommClosedError("aborted stream on truncated data")
 
     async def read_frames(self) -> list:
+        """The next message's frames, as ``tcp://`` frames them"""
         stream = self.stream
         if stream is None:
             raise CommClosedError()
         try:
-            # Not self.frame_buffer: the stream, which the event loop holds
-            # while it is open, must not keep the comm alive
+            # Not a method of this comm: the stream, which the event loop
+            # holds while it is open, must not keep the comm alive
             return await stream.read_message(socket_buffer)
         except StreamClosedError as e:
             self.stream = None
@@ -261,6 +262,7 @@ class MPI(TCP):
             raise
 
     def write_frames(self, frames: list) -> int:
+        """Queue a message's frames for sending; its size in bytes"""
         stream = self.stream
         if stream is None:
             raise CommClosedError()
