@@ -26,7 +26,6 @@ always travel over MPI: see ``distributed.comm.mpi_gpu``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -54,10 +53,10 @@ from distributed.comm.addressing import (
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import host_buffer, socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
-from distributed.comm.mpi_liveness import hung_up
-from distributed.comm.mpi_progress import ProgressEngine, Stalled
+from distributed.comm.mpi_progress import Stalled
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_stream import SocketStream
+from distributed.comm.mpi_transfers import Transfers
 from distributed.comm.tcp import (
     MAX_BUFFER_SIZE,
     TCP,
@@ -199,13 +198,9 @@ class MPI(TCP):
         if isinstance(stream, IOStream):  # from TCPConnector
             stream = SocketStream.adopt(stream)
         super().__init__(stream, local_addr, peer_addr, deserialize)
-        self._socket = stream.socket  # to see the peer hang up before TCP reads
         self._route: _Route | None = None  # from the handshake
         self._channel: Channel | None = None  # the last one its data moved on
-        self._receives: set = set()  # engine futures of the read in progress
-        self._sends: set = set()  # ... and of writes not complete
-        self._posting = asyncio.Lock()  # held while a message's sends are posted
-        self._engine: ProgressEngine | None = None  # once a transfer is posted
+        self._transfers = Transfers(self, stream.socket)
 
     @property
     def channel(self) -> Channel | None:
@@ -303,7 +298,7 @@ class MPI(TCP):
         ]
         if on_device:
             mpi_gpu.synchronize()  # the allocations, before anything writes
-        post = self._poster(channel, head.tag, receive=True)
+        post = self._transfers.poster(channel, head.tag, receive=True)
         try:
             pending, chunks = [], []
             for frame, (_, _, where) in zip(received, head.frames):
@@ -323,7 +318,7 @@ class MPI(TCP):
                 copied = await mpi_copy.receive(
                     channel, head.copies, head.lease, route.chunk_size
                 )
-                mpi_copy.acknowledge(self._engine, channel, head.tag)
+                mpi_copy.acknowledge(self._transfers.engine, channel, head.tag)
             for fut in pending:
                 await fut
         except Stalled:
@@ -423,17 +418,19 @@ class MPI(TCP):
         staged = on_device and self._route.gpu == "staged"
         if on_device:
             mpi_gpu.synchronize(over_mpi)  # their producers are done
-        post = self._poster(channel, tag, receive=False)
+        post = self._transfers.poster(channel, tag, receive=False)
         try:
             if lease is not None:
-                self._track(mpi_copy.lend(self._engine, channel, tag, lease))
+                self._transfers.track(
+                    mpi_copy.lend(self._transfers.engine, channel, tag, lease)
+                )
             if not staged:
                 # Sends first: MPI moves the data while the head travels
                 sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
                 if sends:
                     post([chunk for chunks in sends for chunk in chunks])
                 return self.write_frames([head.pack(), *inline]) + sent
-            async with self._posting:  # a staged frame posts as it goes
+            async with self._transfers.posting:  # a staged frame posts as it goes
                 nbytes = self.write_frames([head.pack(), *inline])
                 for frame in over_mpi:
                     if mpi_gpu.is_device(frame):
@@ -449,53 +446,6 @@ class MPI(TCP):
             self.abort()  # the peer cannot tell what was sent
             raise
         return nbytes + sent
-
-    def _track(self, fut: asyncio.Future) -> None:
-        """Abort should a send, or a lease, fail"""
-        if not fut.done():
-            self._sends.add(fut)
-            fut.add_done_callback(self._sent)
-
-    def _poster(self, channel: Channel, tag: int, receive: bool):
-        """A function that posts the transfer of some chunks of a message,
-        and returns the engine's future of it"""
-        # Its loop's engine tests the transfers: found once per comm, since
-        # on a message's path every lookup costs
-        engine = self._engine = self._engine or ProgressEngine.current()
-        MPI = engine.MPI
-        start = channel.comm.Irecv if receive else channel.comm.Isend
-
-        def post(chunks: list) -> asyncio.Future:
-            if self.closed():
-                raise CommClosedError(f"{self} is closed")
-            if mpi_startup.mpi_stopped():
-                self.abort()
-                raise CommClosedError(f"{self}: MPI is stopped in this process")
-            if receive and channel.sender is not None and channel.sender.died():
-                self.abort()  # MPI may start to copy at once
-                raise CommClosedError(f"{self}: the peer process died")
-            if not receive and hung_up(self._socket):
-                # It reads no more, or died (on another host, nothing else
-                # tells): MPICH's UCX can crash sending to a process that died
-                self.abort()
-                raise CommClosedError(f"{self}: the peer closed the connection")
-            requests = [start([c, MPI.BYTE], channel.rank, tag) for c in chunks]
-            if receive:
-                sizes = [mpi_gpu.nbytes(c) for c in chunks]
-                fut = engine.receive(requests, chunks, channel.sender, sizes)
-                self._receives.add(fut)
-                fut.add_done_callback(self._receives.discard)
-            else:
-                fut = engine.transfer(requests, chunks, channel.sender is not None)
-                self._track(fut)
-            return fut
-
-        return post
-
-    def _sent(self, fut: asyncio.Future) -> None:
-        self._sends.discard(fut)
-        if fut.cancelled() or fut.exception() is not None:
-            self.abort()  # MPI failed to send: the stream is broken
 
     def _use(self, channel: Channel) -> None:
         if channel is not self._channel:
@@ -518,38 +468,20 @@ class MPI(TCP):
     async def close(self):
         """Close after the messages written so far: the peer reads them,
         then ``CommClosedError``"""
-        if self._posting.locked():
+        if self._transfers.posting.locked():
             # A frame staged through host memory is half-sent: the peer
             # would wait for the rest.  Drop the message instead.
             self.abort()
             return
-        self._drop_transfers()
+        self._transfers.drop()
         await super().close()
         self._leave_channel()
 
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
-        self._drop_transfers(cancel=True)
+        self._transfers.drop(cancel=True)
         super().abort()
         self._leave_channel()
-
-    def _drop_transfers(self, cancel: bool = False) -> None:
-        """Give up the receives in progress; leave sends to the engine, which
-        lets the peer read them until the connect timeout, and receives from
-        this host, which it lets complete (cancels both now if ``cancel``)"""
-        if not (self._receives or self._sends):
-            return
-        engine = self._engine
-        for fut in list(self._receives):
-            engine.cancel(fut, CommClosedError(f"{self} closed"), drain=not cancel)
-        for fut in list(self._sends):
-            fut.remove_done_callback(self._sent)
-            if cancel:
-                engine.cancel(fut, CommClosedError(f"{self} closed"))
-            else:
-                engine.abandon(fut)
-        self._receives.clear()
-        self._sends.clear()
 
     def _leave_channel(self) -> None:
         """Free the channel this comm used if no other comm uses it"""
