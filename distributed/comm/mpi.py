@@ -249,8 +249,7 @@ class MPI(TCP):
             # holds while it is open, must not keep the comm alive
             return await stream.read_message(socket_buffer)
         except StreamClosedError as e:
-            self.stream = None
-            self._closed = True
+            super().abort()  # the stream is closed: this marks the comm closed
             convert_stream_closed_error(self, e)
         except BaseException:
             self.abort()  # where the next message starts is unknown
@@ -264,8 +263,7 @@ class MPI(TCP):
         try:
             return stream.write_message(frames)
         except StreamClosedError as e:
-            self.stream = None
-            self._closed = True
+            super().abort()  # the stream is closed: this marks the comm closed
             convert_stream_closed_error(self, e)
         except BaseException:
             self.abort()
