@@ -29,8 +29,9 @@ class Transfers:
     """The MPI transfers of one comm, whose TCP connection is ``sock``"""
 
     def __init__(self, comm, sock):
-        # Weak: the futures of sends reference this, and a comm nobody holds
-        # must still be collected (its finalizer closes its stream)
+        # Weak: the comm holds this, and a comm nobody else holds must be
+        # collected at once, not by the cycle collector (its finalizer
+        # closes its stream)
         self._comm = weakref.ref(comm)
         self._socket = sock  # to see the peer hang up before the comm reads
         self.engine: ProgressEngine | None = None  # once a transfer is posted
