@@ -313,9 +313,7 @@ class MPI(TCP):
                 pending.append(post(chunks))
             copied = []
             if head.copies:
-                copied = await mpi_copy.receive(
-                    channel, head.copies, head.lease, route.chunk_size
-                )
+                copied = await mpi_copy.receive(channel, head.copies, head.lease)
                 mpi_copy.acknowledge(self._transfers.engine, channel, head.tag)
             for fut in pending:
                 await fut

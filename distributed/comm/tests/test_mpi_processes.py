@@ -11,6 +11,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -32,6 +34,7 @@ from distributed.comm.tests.mpi_processes import (
     wait_for_file,
 )
 from distributed.protocol import to_serialize
+from distributed.utils import _offload_executor
 from distributed.utils_test import async_poll_for, captured_logger, gen_test
 
 pytestmark = pytest.mark.timeout(180)
@@ -209,6 +212,47 @@ async def test_frame_that_its_writer_gave_up_is_not_returned(server, copies):
     with pytest.raises(CommClosedError, match="the writer gave the message up"):
         await comm.read()
     assert sum(copies) >= 8_000_000  # it was copied, then refused
+
+
+@gen_test(timeout=120)
+async def test_large_copies_are_shared_with_the_offload_thread(server, monkeypatch):
+    """The event loop and Dask's offload thread copy the pieces of a large
+    frame between them"""
+    address, _ = server
+    comm, array = await _connect_with_channel(address)
+    loop_thread, threads = threading.current_thread(), []
+    read = LocalPeer.read
+
+    def traced(self, address, into, nbytes):
+        threads.append(threading.current_thread())
+        if threading.current_thread() is loop_thread:
+            time.sleep(0.002)  # however loaded the machine, the helper has time
+        read(self, address, into, nbytes)
+
+    monkeypatch.setattr(LocalPeer, "read", traced)
+    await comm.write({"op": "echo", "x": array})
+    np.testing.assert_array_equal((await comm.read())["x"], array)
+    names = {thread.name.split("_")[0] for thread in threads}
+    assert names == {loop_thread.name, "Dask-Offload"}
+    await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_a_copy_does_not_wait_for_a_busy_offload_thread(server):
+    """The event loop copies every piece itself while the offload thread
+    works on something else"""
+    address, _ = server
+    comm, array = await _connect_with_channel(address)
+    release = threading.Event()
+    busy = _offload_executor.submit(release.wait, 60)
+    try:
+        await comm.write({"op": "echo", "x": array})
+        got = await asyncio.wait_for(comm.read(), 30)
+    finally:
+        release.set()
+        busy.result()
+    np.testing.assert_array_equal(got["x"], array)
+    await comm.close()
 
 
 @gen_test(timeout=120)
