@@ -13,6 +13,7 @@ reader inside MPI (see docs/mpi-design.rst, "Failure modes").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -79,11 +80,13 @@ async def receive(channel, copies: list, lease: tuple[int, int]):
     ``lease`` of its head); CommClosedError if they cannot be.  The event
     loop copies them a piece at a time, running its other work in between,
     and Dask's offload thread, when free, takes pieces too: one thread copies
-    at about half the speed of memory on these machines, since the kernel
-    pins the writer's pages one by one."""
+    at a third to a half of memcpy's speed on these machines, since the
+    kernel pins the writer's pages one by one."""
     copy = _Copy(channel.sender, copies)
     if sum(size for _, size, _ in copies) >= SHARED_FROM:
-        asyncio.get_running_loop().run_in_executor(_offload_executor, copy.run)
+        # Not at exit, once the executor is shut down: the loop copies alone
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().run_in_executor(_offload_executor, copy.run)
     try:
         while copy.next():
             await asyncio.sleep(0)
