@@ -175,9 +175,9 @@ def known_mpi_crash(output: str) -> str | None:
     "Failure modes")"""
     if re.search(r"process_vm_readv\(pid=\d+ .* No such process", output):
         return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
-    connect_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in connect\n"
-    if re.search(connect_crashed, output, re.S):
-        return "MPI_Comm_connect crashed: the killed worker died as the two connected"
+    meet_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in _meet\n"
+    if re.search(meet_crashed, output, re.S):
+        return "MPI_Comm_accept or MPI_Comm_connect crashed opening a channel"
     send_crashed = r"Segmentation fault.*mpi\.py\", line \d+ in _write_over_mpi\n"
     if re.search(send_crashed, output, re.S):
         return "MPI_Isend crashed: the worker it sent to, on another host, had died"

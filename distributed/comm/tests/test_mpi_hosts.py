@@ -219,7 +219,9 @@ def test_client_outside_the_job_over_tcp(simulated_hosts, tmp_path):
     assert report["scheduler"].startswith("tcp://")
 
 
-def test_worker_killed_on_another_host_while_data_moves(simulated_hosts, tmp_path):
+def test_worker_killed_on_another_host_while_data_moves(
+    simulated_hosts, tmp_path, capfd
+):
     """A worker SIGKILLed on its host while arrays move between hosts: the
     computation finishes on the workers left, right, and the cluster goes
     on, without a hang"""
@@ -234,7 +236,13 @@ def test_worker_killed_on_another_host_while_data_moves(simulated_hosts, tmp_pat
             python = os.path.realpath(sys.executable)
             with client_process(hosts, a, path, 2, "kill", killfile) as proc:
                 wait_for_file(killfile, proc, timeout=90)
-                [victim] = [p for p in hosts.processes(b) if p.exe() == python]
+                victims = [p for p in hosts.processes(b) if p.exe() == python]
+                if not victims:  # it died before it was killed
+                    output = "".join(capfd.readouterr())
+                    if crash := known_mpi_crash(output):
+                        pytest.xfail(crash)
+                    sys.stderr.write(output)
+                [victim] = victims
                 victim.kill()
                 report = client_report(proc)
             assert job.poll() is None  # the scheduler lives
