@@ -120,6 +120,10 @@ MEET_GRACE = 30
 _MEET_FAILED = "an MPI_Comm_accept or MPI_Comm_connect of this process failed"
 
 
+class _AcceptorGaveUp(CommClosedError):
+    pass
+
+
 class Channel:
     """An MPI communicator between this process and one peer process"""
 
@@ -459,6 +463,12 @@ class Channels:
                 acceptor = LocalPeer.find(peer)
                 if handshake.peer_gone(stream) or (acceptor and acceptor.died()):
                     raise CommClosedError("the peer went away")
+                if stream.unread():
+                    # The acceptor's answer came already: its accept timed
+                    # out before this process read the port.  A connect now
+                    # would meet only the receive that accept left posted,
+                    # and wait in MPI for its own timeout
+                    raise _AcceptorGaveUp("the accept timed out before the connect")
             # No await from here on: the acceptor is waiting, or about to.
             # MPI progresses every receive while it blocks here
             ProgressEngine.current().drop_dead_senders()
@@ -475,7 +485,7 @@ class Channels:
             self._add(channel)  # before any message head can name it
             channel.greet(timeout)
         except (MPI.Exception, CommClosedError) as e:
-            if channel is None and not isinstance(e, MPI.Exception):
+            if channel is None and not isinstance(e, (MPI.Exception, _AcceptorGaveUp)):
                 raise  # before MPI: the peer went away
             error = e
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import select
 import socket
 import struct
 import threading
@@ -95,6 +96,15 @@ class SocketStream:
 
     def closed(self) -> bool:
         return self._closed
+
+    def unread(self) -> bool:
+        """Whether the peer sent anything that nobody read yet, or closed
+        the connection, as far as the kernel knows now"""
+        if self._held or self._closed:
+            return True
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        return bool(poll.poll(0))
 
     def set_close_callback(self, callback) -> None:
         self._close_callback = callback

@@ -19,6 +19,9 @@ MPI transfers are not complete.  ``{"op": "drop", ...}`` gets no answer.
 listener at A and write n bytes there, at once; ``{"op": "channel"}`` asks
 for the id of its open channel to the asking process (None: none).
 
+``python -m distributed.comm.tests.mpi_peer serve-late FILE`` serves so, but
+reads the port of each channel it connects 2.5 s late (:func:`late_for_ports`).
+
 ``python -m distributed.comm.tests.mpi_peer flood ADDRESS FILE`` connects to
 such a server, sends large frames over MPI until a channel is open, asks it to
 stop reading, writes three more messages whose frames stay pending in MPI,
@@ -76,6 +79,7 @@ from distributed.comm import (
     listen,
     mpi_channel,
     mpi_gpu,
+    mpi_handshake,
     mpi_startup,
 )
 from distributed.comm.mpi_liveness import LocalPeer, beacon
@@ -168,6 +172,30 @@ async def serve(path):
         write(path, listener.contact_address)
         while not os.path.exists(path + ".exit"):  # or until killed
             await asyncio.sleep(0.1)
+
+
+def late_for_ports() -> None:
+    """Read the port of each channel this process connects 2.5 s late, its
+    event loop busy meanwhile, and say so if it calls MPI_Comm_connect"""
+    recv, meet = mpi_handshake.recv, mpi_channel.Channels._meet
+
+    async def recv_late(stream):
+        msg = await recv(stream)
+        if "port" in msg:
+            time.sleep(2.5)
+        return msg
+
+    def meet_and_say(self, port, accepts, timeout):
+        if not accepts:
+            print("MPI_Comm_connect called", flush=True)
+        return meet(self, port, accepts, timeout)
+
+    mpi_handshake.recv, mpi_channel.Channels._meet = recv_late, meet_and_say
+
+
+async def serve_late(path):
+    late_for_ports()
+    await serve(path)
 
 
 async def flood(address, path):
@@ -322,6 +350,7 @@ def write(path, text):
 
 COMMANDS = {
     "serve": serve,
+    "serve-late": serve_late,
     "ping": ping,
     "flood": flood,
     "ask-device": ask_device,

@@ -22,10 +22,18 @@ np = pytest.importorskip("numpy")
 import dask
 
 from distributed import Client, Scheduler
-from distributed.comm import CommClosedError, connect, listen, mpi_channel, mpi_startup
+from distributed.comm import (
+    CommClosedError,
+    connect,
+    listen,
+    mpi_channel,
+    mpi_handshake,
+    mpi_startup,
+)
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
+from distributed.comm.tests.mpi_peer import late_for_ports
 from distributed.comm.tests.mpi_processes import (
     OUTPUT,
     known_mpi_crash,
@@ -480,6 +488,44 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_
         server.stop()
         out = server.stdout.read()
     # Its accept that failed left a receive posted in MPICH
+    assert "UCX" not in out, out
+
+
+@gen_test(timeout=60)
+async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_out_of_mpi(
+    tmp_path, monkeypatch, capsys
+):
+    """A process whose event loop was busy when the port came, until after
+    the acceptor's accept had timed out, does not connect: MPI would meet
+    only the receive that accept left posted, and hold the process for its
+    own timeout.  The two move their data over TCP.  Both ends are late
+    here: which one connects depends on their ids"""
+    monkeypatch.setattr(mpi_handshake, "recv", mpi_handshake.recv)
+    monkeypatch.setattr(mpi_channel.Channels, "_meet", mpi_channel.Channels._meet)
+    late_for_ports()
+    path = str(tmp_path / "address")
+    timeout = ["-env", "DASK_DISTRIBUTED__COMM__MPI__CHANNEL_TIMEOUT", "1s"]
+    with dask.config.set({"distributed.comm.mpi.channel-timeout": "1s"}), mpiexec(
+        [*PEER[:2], *timeout, *PEER[2:], "serve-late", path], **OUTPUT
+    ) as server:
+        comm = await connect(wait_for_file(path, server))
+        peer = comm._route.peer["process"]
+        array = np.arange(3_000_000)
+        with captured_logger("distributed.comm.mpi_channel") as log:
+            for _ in range(100):
+                await comm.write({"op": "sum", "x": to_serialize(array)})
+                assert (await comm.read())["sum"] == array.sum()
+                if not mpi_channel.channels.reachable(peer):
+                    break
+                await asyncio.sleep(0.05)
+        assert not mpi_channel.channels.reachable(peer)
+        assert comm.channel is None
+        await comm.close()
+        server.stop()
+        out = server.stdout.read() + capsys.readouterr().out
+    assert "MPI_Comm_connect called" not in out, out
+    assert "over TCP from now on" in out + log.getvalue(), out
+    assert "the accept timed out before the connect" in out + log.getvalue(), out
     assert "UCX" not in out, out
 
 
