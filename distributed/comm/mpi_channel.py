@@ -121,7 +121,7 @@ _MEET_FAILED = "an MPI_Comm_accept or MPI_Comm_connect of this process failed"
 
 
 class _AcceptorGaveUp(CommClosedError):
-    pass
+    """The acceptor's accept timed out before this process read the port"""
 
 
 class Channel:
@@ -439,8 +439,8 @@ class Channels:
         ``stream`` of their own, which the channel keeps: the acceptor sends
         a port name (none for another rank of its own job) and enters MPI at
         once; the connector follows when it reads the port, if the acceptor
-        is still there.  If MPI fails at either end, both say so, and give up
-        on each other."""
+        is still there and has not given up.  If MPI fails at either end,
+        both say so, and give up on each other."""
         process = peer["process"]
         same_world = handshake.same_world(peer)
         alone, peer_alone = world() is None, peer.get("world") is None
