@@ -500,6 +500,7 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
     only the receive that accept left posted, and hold the process for its
     own timeout.  The two move their data over TCP.  Both ends are late
     here: which one connects depends on their ids"""
+    # As they are now, after the test
     monkeypatch.setattr(mpi_handshake, "recv", mpi_handshake.recv)
     monkeypatch.setattr(mpi_channel.Channels, "_meet", mpi_channel.Channels._meet)
     late_for_ports()
