@@ -51,9 +51,15 @@ import sys
 import tempfile
 import time
 
-from distributed.comm.tests.mpi_processes import Job, _env, mpiexec_command
-from distributed.comm.tests.mpi_processes import wait_for_file
-from distributed.comm.tests.simulated_hosts import SimulatedHosts, skip_reason
+try:  # the simulated hosts are the tests': this one runs from a checkout
+    from distributed.comm.tests.mpi_processes import Job, _env, mpiexec_command
+    from distributed.comm.tests.mpi_processes import wait_for_file
+    from distributed.comm.tests.simulated_hosts import SimulatedHosts, skip_reason
+except ImportError as e:
+    sys.exit(
+        f"{e}: benchmarks/hosts.py uses the tests' simulated hosts; run it with "
+        "distributed installed from a checkout (pip install -e .)"
+    )
 
 HERE = os.path.abspath(__file__)
 BENCHMARKS = os.path.dirname(HERE)

@@ -4,6 +4,7 @@ own session so that a whole job can be killed, and always cleaned up."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from distributed.comm.tests.mpi_processes import remove_leaked_hwloc_files
+import psutil
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -34,6 +35,24 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
     if proc.args[0] == MPIEXEC:
         remove_leaked_hwloc_files(since=getattr(proc, "started", 0))
+
+
+def remove_leaked_hwloc_files(since: float) -> None:
+    """Remove the /tmp/hydra_hwloc_xmlfile_* files made since ``since`` that no
+    process holds: a Hydra proxy removes its own when it exits cleanly, and
+    leaves it when it is killed.  (The tests have their own copy: the
+    benchmarks run from an installed distributed, without its tests.)"""
+    leaked = {
+        path
+        for path in glob.glob("/tmp/hydra_hwloc_xmlfile_*")
+        if os.path.exists(path) and os.stat(path).st_mtime >= since
+    }
+    for process in psutil.process_iter() if leaked else ():
+        with contextlib.suppress(psutil.Error):
+            leaked -= {f.path for f in process.open_files()}
+    for path in leaked:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def stop(proc: subprocess.Popen) -> None:

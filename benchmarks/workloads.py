@@ -357,9 +357,7 @@ def mpiexec_job(protocol: str, threads: int, info: dict):
     the shutdown (None: it had not ended 30 s later)"""
     import psutil
 
-    from processes import MPIEXEC
-
-    from distributed.comm.tests.mpi_processes import remove_leaked_hwloc_files
+    from processes import MPIEXEC, remove_leaked_hwloc_files
 
     from distributed import Client
 
