@@ -5,14 +5,14 @@ connection (between processes of one host and user, a Unix socket, which
 delivers sooner and takes less CPU) that carries each message's head, and its
 small frames whole, as ``tcp://`` does: the kernel wakes the reader when a
 message arrives, and nothing polls MPI while no data moves.  Frames of at least
-``inline-size`` travel over an MPI channel between the two processes (see
-``distributed.comm.mpi_channel``) in ``chunk-size`` pieces: the writer posts
-their sends as it writes the head, and the reader posts the receives as soon
-as it reads it, into buffers of the right size (the rendezvous of UCX and
-RDMA transports).  The progress engine (``distributed.comm.mpi_progress``)
-tests those transfers until they are done.  Between processes of one host,
-the reader copies the frames straight from the writer's memory instead, and
-says so over MPI (see ``distributed.comm.mpi_copy``).
+``inline-size`` take one of the routes of the MPI channel between the two
+processes (see ``distributed.comm.mpi_channel`` and
+``distributed.comm.mpi_routes``): over MPI in ``chunk-size`` pieces, or
+copied by the reader straight from the writer's memory on one host.  The
+writer posts their sends as it writes the head, and the reader posts the
+receives as soon as it reads it, into buffers of the right size (the
+rendezvous of UCX and RDMA transports).  The progress engine
+(``distributed.comm.mpi_progress``) tests those transfers until they are done.
 
 A channel opens the first time a frame needs one; until then, and between
 processes MPI cannot connect, frames travel over TCP.  When MPI stops
@@ -39,21 +39,17 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
-from distributed.comm import (
-    mpi_copy,
-    mpi_gpu,
-    mpi_handshake as handshake,
-    mpi_startup,
-)
+from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
 from distributed.comm.addressing import (
     get_address_host,
     parse_host_port,
     unparse_host_port,
 )
 from distributed.comm.core import CommClosedError, FatalCommClosedError
-from distributed.comm.mpi_buffers import host_buffer, socket_buffer
+from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_progress import Stalled
+from distributed.comm.mpi_routes import ORDER, Message, Route
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_stream import SocketStream
 from distributed.comm.mpi_transfers import Transfers
@@ -72,57 +68,44 @@ logger = logging.getLogger(__name__)
 
 
 class Head(NamedTuple):
-    """The first frame of a message some of whose frames travel over MPI, or
-    are copied from the writer's memory, or whose writer wants a channel
-    opened: which frames, on which channel and tag.  The message's other
-    frames follow it on TCP, in order.  Other messages go as ``tcp://``
-    writes them: their first frame is msgpack, which never starts with the
-    byte that a head starts with."""
+    """The first frame of a message some of whose frames take a route of
+    their own (see ``distributed.comm.mpi_routes``), or whose writer wants a
+    channel opened: which frames, which route each takes, on which channel
+    and tag.  The message's other frames follow it on the socket, in order.
+    Other messages go as ``tcp://`` writes them: their first frame is
+    msgpack, which never starts with the byte that a head starts with."""
 
     want_channel: bool
-    channel: int  # Channel.id; 0 if no frame travels over MPI
+    channel: int  # Channel.id; 0 if no frame takes a route
     tag: int
-    frames: list[tuple[int, int, int]]  # index, size, location of those over MPI
-    # index, size, address of those the reader copies from the writer's memory
-    copies: list[tuple[int, int, int]] = []
-    lease: tuple[int, int] = (0, 0)  # of the copies: mpi_copy.Lease.head
+    # index, size, route code, and what the route says of it (an address)
+    frames: list[tuple[int, int, int, int]]
+    lease: tuple[int, int] = (0, 0)  # of the copied frames: mpi_copy.Lease.head
 
     MARK = 0xC1  # "never used" in msgpack
-    # MARK, flags, len(frames), channel, tag, len(copies), lease
-    _FIXED = struct.Struct("<BBxxIQIIQQ")
-    _FRAME = struct.Struct("<IQB")
-    _COPY = struct.Struct("<IQQ")
+    # MARK, flags, len(frames), channel, tag, lease
+    _FIXED = struct.Struct("<BBxxIQIQQ")
+    _FRAME = struct.Struct("<IQBQ")
 
     def pack(self) -> bytes:
-        return b"".join(
-            [
-                self._FIXED.pack(
-                    self.MARK,
-                    self.want_channel,
-                    len(self.frames),
-                    self.channel,
-                    self.tag,
-                    len(self.copies),
-                    *self.lease,
-                ),
-                *(self._FRAME.pack(*frame) for frame in self.frames),
-                *(self._COPY.pack(*copy) for copy in self.copies),
-            ]
+        fixed = self._FIXED.pack(
+            self.MARK,
+            self.want_channel,
+            len(self.frames),
+            self.channel,
+            self.tag,
+            *self.lease,
         )
+        return b"".join([fixed, *(self._FRAME.pack(*frame) for frame in self.frames)])
 
     @classmethod
     def unpack(cls, data) -> Head:
-        _, want, n, channel, tag, ncopies, *lease = cls._FIXED.unpack_from(data)
-        offset = cls._FIXED.size
+        _, want, n, channel, tag, *lease = cls._FIXED.unpack_from(data)
         frames = [
-            cls._FRAME.unpack_from(data, offset + i * cls._FRAME.size) for i in range(n)
+            cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
+            for i in range(n)
         ]
-        offset += n * cls._FRAME.size
-        copies = [
-            cls._COPY.unpack_from(data, offset + i * cls._COPY.size)
-            for i in range(ncopies)
-        ]
-        return cls(bool(want), channel, tag, frames, copies, tuple(lease))
+        return cls(bool(want), channel, tag, frames, tuple(lease))
 
 
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
@@ -270,51 +253,30 @@ class MPI(TCP):
             raise
 
     async def _receive(self, head: Head, frames: list) -> list:
-        """Receive the frames of a message that travel over MPI, copy those
-        to copy from the writer's memory, and put them in their places among
-        those that came over TCP"""
-        if not (head.frames or head.copies):
+        """Receive the frames of a message that take a route of their own,
+        and put them in their places among those that came on the socket"""
+        if not head.frames:
             return frames
         route, channel = self._route, channels.by_id(head.channel)
         if channel is None or route is None:
             self.abort()
             raise CommClosedError(f"{self}: message on an unknown MPI channel")
-        on_device = any(where for _, _, where in head.frames)
-        if on_device and route.gpu is None:
-            self.abort()
-            raise CommClosedError(
-                f"{self}: the peer sent GPU frames, which this process cannot "
-                "hold (it has no GPU or no CuPy)"
-            )
-        if head.copies and channel.sender is None:
-            self.abort()
-            raise CommClosedError(f"{self}: frames to copy from another host")
-        self._use(channel)
-        received = [
-            mpi_gpu.device_buffer(size) if where else host_buffer(size)
-            for _, size, where in head.frames
-        ]
-        if on_device:
-            mpi_gpu.synchronize()  # the allocations, before anything writes
-        post = self._transfers.poster(channel, head.tag, receive=True)
         try:
-            pending, chunks = [], []
-            for frame, (_, _, where) in zip(received, head.frames):
-                if where and route.gpu == "staged":
-                    if chunks:
-                        pending.append(post(chunks))
-                        chunks = []
-                    await mpi_gpu.recv_staged(
-                        frame, route.chunk_size, lambda slot: post([slot])
-                    )
-                else:
-                    chunks += _chunks(frame, route.chunk_size)
-            if chunks:
-                pending.append(post(chunks))
-            copied = []
-            if head.copies:
-                copied = await mpi_copy.receive(channel, head.copies, head.lease)
-                mpi_copy.acknowledge(self._transfers.engine, channel, head.tag)
+            plan = _grouped((channel.routes.reader(f[2]), f) for f in head.frames)
+        except ValueError as e:
+            self.abort()
+            raise CommClosedError(f"{self}: {e}")
+        self._use(channel)
+        msg = Message(channel, head.tag, route.chunk_size, self._transfers, True)
+        msg.lease = head.lease
+        received, pending = [], []
+        try:
+            for reader, entries in plan:
+                got, waits = await reader.receive(
+                    [(size, word) for _, size, _, word in entries], msg
+                )
+                received += zip((index for index, *_ in entries), got)
+                pending += waits
             for fut in pending:
                 await fut
         except Stalled:
@@ -329,10 +291,9 @@ class MPI(TCP):
         except BaseException:
             self.abort()  # cancelled half-way: the stream's position is unknown
             raise
-        indices = [index for index, _, _ in head.frames + head.copies]
-        for index, frame in sorted(zip(indices, received + copied)):
+        for index, frame in sorted(received, key=lambda x: x[0]):
             frames.insert(index, frame)
-        channel.nbytes += sum(size for _, size, _ in head.frames + head.copies)
+        channel.nbytes += sum(size for _, size, _, _ in head.frames)
         return frames
 
     async def write(self, msg, serializers=None, on_error="message"):
@@ -380,61 +341,40 @@ class MPI(TCP):
                 return self.write_frames(frames)
             return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
-        return await self._write_over_mpi(channel, frames, large)
+        return await self._write_routed(channel, frames, large)
 
-    async def _write_over_mpi(self, channel: Channel, frames: list, large: list):
+    async def _write_routed(self, channel: Channel, frames: list, large: list):
+        """Write a message whose ``large`` frames take the channel's routes"""
         self._use(channel)
-        tag = channel.tag()
-        if channel.peer_copies:  # host frames: the reader copies them
-            copied = [i for i in large if not mpi_gpu.is_device(frames[i])]
-            large = [i for i in large if mpi_gpu.is_device(frames[i])]
-        else:
-            copied = []
-        over_mpi = [frames[i] for i in large]
-        lease = mpi_copy.Lease([frames[i] for i in copied]) if copied else None
-        head = Head(
-            False,
-            channel.id,
-            tag,
-            [
-                (i, mpi_gpu.nbytes(f), mpi_gpu.location(f))
-                for i, f in zip(large, over_mpi)
-            ],
-            [(i, frames[i].nbytes, mpi_copy.address(frames[i])) for i in copied],
-            lease.head if lease else (0, 0),
-        )
+        chunk_size = self._route.chunk_size
+        msg = Message(channel, channel.tag(), chunk_size, self._transfers, False)
+        plan = _grouped((channel.routes.pick(frames[i]), i) for i in large)
+        entries = []
+        for route, indices in plan:
+            words = route.describe([frames[i] for i in indices], msg)
+            entries += [
+                (i, mpi_gpu.nbytes(frames[i]), route.code, word)
+                for i, word in zip(indices, words)
+            ]
+        lease = msg.lease.head if msg.lease else (0, 0)
+        head = Head(False, channel.id, msg.tag, entries, lease).pack()
         # Like a TCP comm's write, return once the message is queued: the
         # engine keeps the frames until MPI has sent them, or the reader
         # copied them
-        sent = sum(size for _, size, _ in head.frames + head.copies)
+        sent = sum(size for _, size, _, _ in entries)
         channel.nbytes += sent
-        skip = {*large, *copied}
+        skip = set(large)
         inline = [f for i, f in enumerate(frames) if i not in skip]
-        on_device = any(where for _, _, where in head.frames)
-        staged = on_device and self._route.gpu == "staged"
-        if on_device:
-            mpi_gpu.synchronize(over_mpi)  # their producers are done
-        post = self._transfers.poster(channel, tag, receive=False)
         try:
-            if lease is not None:
-                self._transfers.track(
-                    mpi_copy.lend(self._transfers.engine, channel, tag, lease)
-                )
-            if not staged:
+            if not any(route.posts_as_it_goes for route, _ in plan):
                 # Sends first: MPI moves the data while the head travels
-                sends = [_chunks(frame, self._route.chunk_size) for frame in over_mpi]
-                if sends:
-                    post([chunk for chunks in sends for chunk in chunks])
-                return self.write_frames([head.pack(), *inline]) + sent
-            async with self._transfers.posting:  # a staged frame posts as it goes
-                nbytes = self.write_frames([head.pack(), *inline])
-                for frame in over_mpi:
-                    if mpi_gpu.is_device(frame):
-                        await mpi_gpu.send_staged(
-                            frame, self._route.chunk_size, lambda slot: post([slot])
-                        )
-                    else:
-                        post(_chunks(frame, self._route.chunk_size))
+                for route, indices in plan:
+                    await route.send([frames[i] for i in indices], msg)
+                return self.write_frames([head, *inline]) + sent
+            async with self._transfers.posting:  # posted as they go
+                nbytes = self.write_frames([head, *inline])
+                for route, indices in plan:
+                    await route.send([frames[i] for i in indices], msg)
         except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while writing: {e}") from e
@@ -503,16 +443,13 @@ def _size(frame) -> int:
     return 2**63 if mpi_gpu.is_device(frame) else mpi_gpu.nbytes(frame)
 
 
-def _chunks(frame, size: int) -> list:
-    """``size`` pieces of a frame, for MPI: memoryviews, or views of a device
-    buffer that mpi4py passes on as device pointers"""
-    if mpi_gpu.is_device(frame):
-        return [
-            mpi_gpu.DeviceSlice(frame, offset, n)
-            for offset, n in mpi_gpu.pieces(mpi_gpu.nbytes(frame), size)
-        ]
-    frame = memoryview(frame).cast("B")
-    return [frame[i : i + size] for i in range(0, frame.nbytes, size)]
+def _grouped(pairs) -> list[tuple[Route, list]]:
+    """(route, item) pairs grouped by route, in the order in which both ends
+    post a message's transfers (``mpi_routes.ORDER``)"""
+    groups: dict[Route, list] = {}
+    for route, item in pairs:
+        groups.setdefault(route, []).append(item)
+    return sorted(groups.items(), key=lambda group: ORDER.index(type(group[0])))
 
 
 def _widen(sock: socket.socket) -> None:

@@ -61,7 +61,7 @@ import weakref
 from dask.utils import parse_timedelta
 from tornado.tcpclient import TCPClient
 
-from distributed.comm import mpi_handshake as handshake
+from distributed.comm import mpi_gpu, mpi_handshake as handshake
 from distributed.comm.addressing import parse_host_port
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
@@ -82,6 +82,7 @@ from distributed.comm.mpi_startup import (
     skip_finalize,
     world,
 )
+from distributed.comm.mpi_routes import Routes
 from distributed.comm.mpi_stream import SocketStream
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ class Channel:
         # process's memory itself: they do not go through MPI
         self.peer_copies = False
         MPI = get_mpi()
+        # How device frames travel (mpi_gpu.path); None: as host frames
+        mine = mpi_gpu.hello(MPI)
+        self.gpu = mpi_gpu.path(mine, peer.get("gpu") if peer else mine)
+        self.routes = Routes(self)
         # The largest tag is the greeting's (see greet)
         self._greeting = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._ntags = self._greeting // 2

@@ -75,15 +75,15 @@ def lend(engine, channel, tag: int, lease: Lease) -> asyncio.Future:
     return engine.transfer([request], lease, local=True, sender=channel.sender)
 
 
-async def receive(channel, copies: list, lease: tuple[int, int]):
-    """The frames of a message to copy from its writer (``copies`` and
-    ``lease`` of its head); CommClosedError if they cannot be.  The event
+async def receive(channel, copies: list[tuple[int, int]], lease: tuple[int, int]):
+    """The frames of a message to copy from its writer (the size and address
+    of each, and the ``lease`` of its head); CommClosedError if they cannot be.  The event
     loop copies them a piece at a time, running its other work in between,
     and Dask's offload thread, when free, takes pieces too: one thread copies
     at a third to a half of memcpy's speed on these machines, since the
     kernel pins the writer's pages one by one."""
     copy = _Copy(channel.sender, copies)
-    if sum(size for _, size, _ in copies) >= SHARED_FROM:
+    if sum(size for size, _ in copies) >= SHARED_FROM:
         # Not at exit, once the executor is shut down: the loop copies alone
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().run_in_executor(_offload_executor, copy.run)
@@ -113,10 +113,10 @@ class _Copy:
     def __init__(self, writer, copies: list):
         self.writer = writer
         # Kept until both are done: the helper writes into them
-        self.frames = [host_buffer(size) for _, size, _ in copies]
+        self.frames = [host_buffer(size) for size, _ in copies]
         self.pieces: deque[tuple[int, int, int]] = deque(
             (address(frame) + offset, at + offset, min(PIECE, size - offset))
-            for frame, (_, size, at) in zip(self.frames, copies)
+            for frame, (size, at) in zip(self.frames, copies)
             for offset in range(0, size, PIECE)
         )
         self._helping = threading.Lock()  # held while the helper copies

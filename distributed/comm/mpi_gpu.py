@@ -43,7 +43,6 @@ from distributed.comm.mpi_startup import config
 # Serializers of an mpi:// comm between two processes with a GPU
 SERIALIZERS = ("cuda", "dask", "pickle", "error")
 
-HOST, DEVICE = 0, 1  # where a frame lives: its location byte in a message head
 DEPTH = 4  # pinned slots per staged frame: chunks in flight at once
 
 
@@ -51,10 +50,6 @@ def is_device(frame) -> bool:
     return not isinstance(frame, (bytes, bytearray, memoryview)) and hasattr(
         frame, "__cuda_array_interface__"
     )
-
-
-def location(frame) -> int:
-    return DEVICE if is_device(frame) else HOST
 
 
 def nbytes(frame) -> int:

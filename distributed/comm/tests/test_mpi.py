@@ -207,16 +207,14 @@ async def test_no_message_starts_as_a_head_does():
         frames = await to_frames(msg)
         assert frames[0][0] != Head.MARK, (msg, frames[0][:1])
     assert Head(True, 0, 0, []).pack()[0] == Head.MARK
-    assert Head(False, 1, 2, [(0, 10, 0)]).pack()[0] == Head.MARK
+    assert Head(False, 1, 2, [(0, 10, 1, 0)]).pack()[0] == Head.MARK
 
 
 def test_message_head_comes_back_as_it_was_packed():
     heads = [
         Head(True, 0, 0, []),
-        Head(False, 2**63 - 1, 2**31 - 1, [(0, 10, 0), (3, 2**40, 1)]),
-        Head(
-            False, 7, 8, [(1, 5, 1)], [(0, 2**20, 2**47), (2, 3, 5)], (2**47, 2**64 - 1)
-        ),
+        Head(False, 2**63 - 1, 2**31 - 1, [(0, 10, 1, 0), (3, 2**40, 4, 0)]),
+        Head(False, 7, 8, [(1, 5, 3, 0), (0, 2**20, 2, 2**47)], (2**47, 2**64 - 1)),
     ]
     for head in heads:
         assert Head.unpack(head.pack()) == head

@@ -22,6 +22,7 @@ import dask
 from distributed import Client, LocalCluster
 from distributed.comm import CommClosedError, connect, mpi_gpu, mpi_startup
 from distributed.comm.mpi import Head
+from distributed.comm.mpi_routes import Staged
 from distributed.comm.mpi_channel import channels
 from distributed.comm.tests.mpi_processes import mpiexec, wait_for_file
 from distributed.comm.tests.test_mpi import comm_pair
@@ -131,7 +132,7 @@ async def test_device_frames_to_a_process_without_gpu_fail_clearly():
         # What a peer with a GPU would send, were it to ignore the handshake:
         # the head of one device frame of 8 bytes
         channel = channels.get(mpi_startup.process_id())
-        head = Head(False, channel.id, channel.tag(), [(0, 8, mpi_gpu.DEVICE)])
+        head = Head(False, channel.id, channel.tag(), [(0, 8, Staged.code, 0)])
         a.write_frames([head.pack()])
         with pytest.raises(CommClosedError, match="GPU frames, which this process"):
             await b.read()

@@ -31,6 +31,7 @@ from distributed.comm import (
     mpi_startup,
 )
 from distributed.comm.mpi import Head
+from distributed.comm.mpi_routes import OverMPI
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_peer import late_for_ports
@@ -580,7 +581,7 @@ async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
         comm = await connect(address)
         channel = await open_channel(comm)
         # A head that names a frame over MPI which is never sent
-        head = Head(False, channel.id, channel.tag(), [(0, 2_400_000, 0)])
+        head = Head(False, channel.id, channel.tag(), [(0, 2_400_000, OverMPI.code, 0)])
         comm.write_frames([head.pack()])
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 30)
