@@ -40,6 +40,7 @@ from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
 from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
+from distributed.comm import mpi_policy as policy
 from distributed.comm.addressing import (
     get_address_host,
     parse_host_port,
@@ -48,6 +49,7 @@ from distributed.comm.addressing import (
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
+from distributed.comm.mpi_handshake import Peer
 from distributed.comm.mpi_progress import Stalled
 from distributed.comm.mpi_routes import ORDER, Message, Route
 from distributed.comm.mpi_startup import config, get_mpi
@@ -111,12 +113,12 @@ class Head(NamedTuple):
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
 
 
-class _Route(NamedTuple):
+class _Link(NamedTuple):
     """What a comm needs to move frames over MPI, from its handshake"""
 
-    peer: dict  # the peer's hello
+    peer: Peer
     dial: str | None  # the peer's listener, when this end dialled it
-    gpu: str | None  # how device frames travel (mpi_gpu.path); None: not at all
+    gpu: str | None  # how device frames travel (mpi_policy.gpu_path)
     inline_size: int  # smaller frames travel on TCP
     chunk_size: int  # larger frames travel in pieces of this size
 
@@ -125,11 +127,11 @@ def _connect_timeout() -> float:
     return parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
 
 
-async def _handshake(stream, dial: str | None = None) -> _Route | None:
+async def _handshake(stream, dial: str | None = None) -> _Link | None:
     """The handshake of a new comm's TCP connection, at either end (``dial``:
-    the address the connecting end dialled).  The comm's route; None if the
+    the address the connecting end dialled).  The comm's link; None if the
     peer only came to open an MPI channel, which is then open."""
-    MPI = await mpi_startup.mpi_ready()
+    await mpi_startup.mpi_ready()
     # Open MPI 5 has no large-count calls: keep each message below 2 GiB
     chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
     mine = {
@@ -148,24 +150,23 @@ async def _handshake(stream, dial: str | None = None) -> _Route | None:
         message = f"Cannot connect to {dial}: {e}"
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
-    if "open" in peer and dial is None:
-        if not (peer["open"] and await channels.open(stream, peer)):
+    if peer.open is not None and dial is None:
+        if not (peer.open and await channels.open(stream, peer)):
             stream.close()
         return None  # the channel keeps the stream
-    if peer["process"] == mpi_startup.process_id():
+    if peer.process == mpi_startup.process_id():
         if not mpi_startup.mpi_stopped():
             channels.to_self()
-    elif mpi_startup.process_id() in peer.get("unreachable", ()) or peer.get("stopped"):
-        channels.give_up_on(peer["process"])
-    theirs = peer.get("chunk_size")
-    if isinstance(theirs, int) and theirs > 0:
+    elif mpi_startup.process_id() in peer.unreachable or peer.stopped:
+        channels.give_up_on(peer.process)
+    if peer.chunk_size and peer.chunk_size > 0:
         # Receives must match sends: both ends cut frames alike, whatever
         # each one's configuration says
-        chunk_size = min(chunk_size, theirs)
-    return _Route(
+        chunk_size = min(chunk_size, peer.chunk_size)
+    return _Link(
         peer,
         dial,
-        mpi_gpu.path(mpi_gpu.hello(MPI), peer.get("gpu")),
+        policy.gpu_path(peer),
         parse_bytes(config("inline-size")),
         chunk_size,
     )
@@ -181,7 +182,7 @@ class MPI(TCP):
         if isinstance(stream, IOStream):  # from TCPConnector
             stream = SocketStream.adopt(stream)
         super().__init__(stream, local_addr, peer_addr, deserialize)
-        self._route: _Route | None = None  # from the handshake
+        self._link: _Link | None = None  # from the handshake
         self._channel: Channel | None = None  # the last one its data moved on
         self._transfers = Transfers(self, stream.socket)
 
@@ -191,10 +192,15 @@ class MPI(TCP):
         return self._channel
 
     @property
+    def peer(self) -> Peer | None:
+        """The process at the other end, as its handshake described it"""
+        return self._link and self._link.peer
+
+    @property
     def gpu_path(self) -> str | None:
         """How GPU frames travel: "direct" (CUDA-aware MPI), "staged" (through
         pinned host memory), or None: as host frames, one end has no GPU"""
-        return self._route and self._route.gpu
+        return self._link and self._link.gpu
 
     async def read(self, deserializers=None):
         try:
@@ -208,8 +214,8 @@ class MPI(TCP):
             except (struct.error, IndexError, TypeError):
                 self.abort()
                 raise CommClosedError(f"{self}: garbled message head")
-            if head.want_channel and self._route and self._route.dial:
-                channels.open_soon(self._route.dial, self._route.peer)
+            if head.want_channel and self._link and self._link.dial:
+                channels.open_soon(self._link.dial, self._link.peer)
             frames = await self._receive(head, frames[1:])
         try:
             return await from_frames(
@@ -257,8 +263,8 @@ class MPI(TCP):
         and put them in their places among those that came on the socket"""
         if not head.frames:
             return frames
-        route, channel = self._route, channels.by_id(head.channel)
-        if channel is None or route is None:
+        link, channel = self._link, channels.by_id(head.channel)
+        if channel is None or link is None:
             self.abort()
             raise CommClosedError(f"{self}: message on an unknown MPI channel")
         try:
@@ -267,7 +273,7 @@ class MPI(TCP):
             self.abort()
             raise CommClosedError(f"{self}: {e}")
         self._use(channel)
-        msg = Message(channel, head.tag, route.chunk_size, self._transfers, True)
+        msg = Message(channel, head.tag, link.chunk_size, self._transfers, True)
         msg.lease = head.lease
         received, pending = [], []
         try:
@@ -299,9 +305,9 @@ class MPI(TCP):
     async def write(self, msg, serializers=None, on_error="message"):
         # Every message passes here: each line costs a little on every
         # control message, where mpi:// may cost no more than tcp://
-        route = self._route
+        link = self._link
         # Between two processes with a GPU, GPU data stays there
-        channel = route and route.gpu and channels.get(route.peer["process"])
+        channel = link and link.gpu and channels.get(link.peer.process)
         frames = await to_frames(
             msg,
             allow_offload=self.allow_offload,
@@ -316,11 +322,11 @@ class MPI(TCP):
             # anyway, and shards would be copied together again on arrival
             frame_split_size=(
                 self.max_shard_size
-                if route is None or self.handshake_options.get("compression")
+                if link is None or self.handshake_options.get("compression")
                 else 2**62
             ),
         )
-        if route is None:
+        if link is None:
             return self.write_frames(frames)
         for frame in frames:  # no function call for the usual frames
             if type(frame) is bytes:
@@ -329,15 +335,15 @@ class MPI(TCP):
                 size = frame.nbytes
             else:
                 size = _size(frame)
-            if size >= route.inline_size:
+            if size >= link.inline_size:
                 break
         else:
             return self.write_frames(frames)
-        large = _large_frames(frames, route.inline_size)
-        channel = channel or channels.get(route.peer["process"])
+        large = _large_frames(frames, link.inline_size)
+        channel = channel or channels.get(link.peer.process)
         if channel is None:
-            if route.dial:
-                channels.open_soon(route.dial, route.peer)
+            if link.dial:
+                channels.open_soon(link.dial, link.peer)
                 return self.write_frames(frames)
             return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
@@ -346,7 +352,7 @@ class MPI(TCP):
     async def _write_routed(self, channel: Channel, frames: list, large: list):
         """Write a message whose ``large`` frames take the channel's routes"""
         self._use(channel)
-        chunk_size = self._route.chunk_size
+        chunk_size = self._link.chunk_size
         msg = Message(channel, channel.tag(), chunk_size, self._transfers, False)
         plan = _grouped((channel.routes.pick(frames[i]), i) for i in large)
         entries = []
@@ -506,7 +512,7 @@ class MPIConnector(TCPConnector):
         else:
             comm = await super().connect(address, deserialize, **connection_args)
         try:
-            comm._route = await _handshake(comm.stream, dial=address)
+            comm._link = await _handshake(comm.stream, dial=address)
         except StreamClosedError as e:
             comm.abort()
             convert_stream_closed_error(self, e)
@@ -524,7 +530,7 @@ class MPIListener(TCPListener):
     async def start(self):
         mpi_startup.start_mpi()  # ... or listener, without waiting for it
         # From the handshake of a stream to its comm
-        self._routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         await super().start()
         self._local_server = self._serve_locally()
 
@@ -578,7 +584,7 @@ class MPIListener(TCPListener):
         """The mpi:// handshake, before the comm exists"""
         stream = SocketStream.adopt(stream)
         try:
-            route = await wait_for(_handshake(stream), _connect_timeout())
+            link = await wait_for(_handshake(stream), _connect_timeout())
         except Exception as e:
             # A bad peer fails alone: the listener goes on serving others
             if isinstance(e, handshake.Refused):
@@ -595,13 +601,13 @@ class MPIListener(TCPListener):
                 )
             stream.close()
             return None
-        if route is None:  # it came to open a channel, which is done
+        if link is None:  # it came to open a channel, which is done
             return None
-        self._routes[stream] = route
+        self._links[stream] = link
         return stream
 
     async def on_connection(self, comm, handshake_overrides=None):
-        comm._route = self._routes.pop(comm.stream, None)
+        comm._link = self._links.pop(comm.stream, None)
         await super().on_connection(comm, handshake_overrides)
 
 

@@ -10,7 +10,7 @@ heads of the messages it writes.  Until the channel is open, messages travel
 whole over TCP.  Every comm between the two processes, in either direction,
 then uses the channel; each message's frames have a tag of their own.
 Processes on different hosts open one only where MPI has an RDMA network
-there (``across-hosts``, see ``mpi_handshake.tcp_between_hosts``).
+there (``across-hosts``, see ``mpi_policy``).
 
 Ranks of one ``mpiexec`` job make a communicator of the two of them with
 ``MPI_Comm_create_group`` (only they take part); processes of different jobs,
@@ -57,11 +57,12 @@ import secrets
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from dask.utils import parse_timedelta
 from tornado.tcpclient import TCPClient
 
-from distributed.comm import mpi_gpu, mpi_handshake as handshake
+from distributed.comm import mpi_handshake as handshake, mpi_policy as policy
 from distributed.comm.addressing import parse_host_port
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
@@ -84,6 +85,9 @@ from distributed.comm.mpi_startup import (
 )
 from distributed.comm.mpi_routes import Routes
 from distributed.comm.mpi_stream import SocketStream
+
+if TYPE_CHECKING:
+    from distributed.comm.mpi_handshake import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +132,9 @@ class _AcceptorGaveUp(CommClosedError):
 class Channel:
     """An MPI communicator between this process and one peer process"""
 
-    def __init__(self, id: int, peer: dict | None, comm, rank: int, accepted: bool):
+    def __init__(self, id: int, peer: Peer | None, comm, rank: int, accepted: bool):
         self.id = id  # named in message heads
-        self.peer = peer["process"] if peer else process_id()
+        self.peer = peer.process if peer else process_id()
         self.sender = peer and LocalPeer.find(peer)  # the peer, on this host
         self.comm = comm
         self.rank = rank  # the peer's rank in comm
@@ -143,9 +147,7 @@ class Channel:
         # process's memory itself: they do not go through MPI
         self.peer_copies = False
         MPI = get_mpi()
-        # How device frames travel (mpi_gpu.path); None: as host frames
-        mine = mpi_gpu.hello(MPI)
-        self.gpu = mpi_gpu.path(mine, peer.get("gpu") if peer else mine)
+        self.gpu = policy.gpu_path(peer)  # how device frames travel
         self.routes = Routes(self)
         # The largest tag is the greeting's (see greet)
         self._greeting = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
@@ -376,38 +378,29 @@ class Channels:
         _warn_full()
         return False
 
-    def may_open(self, peer: dict) -> bool:
-        """Whether to open a channel to the process of this hello"""
-        if mpi_stopped() or peer.get("stopped"):
-            return False
-        if handshake.open_mpi_apart(peer):
-            _warn_open_mpi_apart()
-            return False
-        if handshake.tcp_between_hosts(peer):
-            _log_tcp_between_hosts(config("across-hosts"))
-            return False
-        if handshake.jobs_apart_across_hosts(peer):
-            _warn_jobs_apart()
-            return False
+    def may_open(self, peer: Peer) -> bool:
+        """Whether to open a channel to ``peer``: what the rules allow
+        (``mpi_policy``), where MPI has not failed with it, and MPICH's table
+        of jobs has room"""
         return (
-            self.reachable(peer["process"])
-            and not handshake.pid_isolated(peer)
-            and self.room_for(handshake.job(peer))
+            policy.mpi_refusal(peer) is None
+            and self.reachable(peer.process)
+            and self.room_for(peer.job)
         )
 
-    def may_accept(self, peer: dict) -> bool:
+    def may_accept(self, peer: Peer) -> bool:
         """Whether to open the channel that the process of this hello came
         to open.  Not while this process, which sorts first, dials it for
         one: that one opens, not two (when each end first writes large
         frames to the other on a comm it dialled, they dial each other)."""
-        process = peer["process"]
+        process = peer.process
         crossing = process in self._opening and process_id() < process
         return not crossing and self.may_open(peer)
 
-    def open_soon(self, address: str, peer: dict) -> None:
+    def open_soon(self, address: str, peer: Peer) -> None:
         """Open a channel to the process listening at ``address``, in the
         background, unless one is open or opening"""
-        process = peer["process"]
+        process = peer.process
         if process in self._open or process in self._opening:
             return
         if not self.may_open(peer):
@@ -416,7 +409,7 @@ class Channels:
         self._opening[process] = task
         task.add_done_callback(lambda _: self._opening.pop(process, None))
 
-    async def _dial(self, address: str, peer: dict) -> None:
+    async def _dial(self, address: str, peer: Peer) -> None:
         timeout = parse_timedelta(config("channel-timeout"))
         try:
             stream = SocketStream.adopt(
@@ -431,7 +424,7 @@ class Channels:
         try:
             mine = {**handshake.hello(), "open": True}
             reply = await asyncio.wait_for(handshake.exchange(stream, mine), timeout)
-            if reply.get("process") == peer["process"] and reply.get("open"):
+            if reply.process == peer.process and reply.open:
                 channel = await self.open(stream, reply)
         except Exception as e:
             logger.info("Opening an MPI channel to %s failed: %r", address, e)
@@ -439,17 +432,16 @@ class Channels:
             if channel is None:
                 stream.close()
 
-    async def open(self, stream, peer: dict) -> Channel | None:
+    async def open(self, stream, peer: Peer) -> Channel | None:
         """Open the channel to ``peer``, both ends with this, on a TCP
         ``stream`` of their own, which the channel keeps: the acceptor sends
         a port name (none for another rank of its own job) and enters MPI at
         once; the connector follows when it reads the port, if the acceptor
         is still there and has not given up.  If MPI fails at either end,
         both say so, and give up on each other."""
-        process = peer["process"]
-        same_world = handshake.same_world(peer)
-        alone, peer_alone = world() is None, peer.get("world") is None
-        accepts = peer_alone if alone != peer_alone else process_id() < process
+        process = peer.process
+        same_world = policy.same_world(peer)
+        accepts = policy.accepts(peer)
         timeout = parse_timedelta(config("channel-timeout"))
         MPI, channel, error = get_mpi(), None, None
         try:
@@ -478,14 +470,12 @@ class Channels:
             # MPI progresses every receive while it blocks here
             ProgressEngine.current().drop_dead_senders()
             if same_world:
-                comm, rank = _join(
-                    peer["world"][1], process_id() if accepts else process
-                )
+                comm, rank = _join(peer.world[1], process_id() if accepts else process)
             else:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
                 comm, rank = self._meet(port, accepts, timeout), 0
-                self._jobs.add(handshake.job(peer))  # MPICH counts it now
+                self._jobs.add(peer.job)  # MPICH counts it now
             channel = Channel(id, peer, comm, rank, accepts)
             self._add(channel)  # before any message head can name it
             channel.greet(timeout)
@@ -496,7 +486,7 @@ class Channels:
         try:
             # Each end says whether it can copy from the other's memory
             await handshake.send(
-                stream, {"opened": error is None, "copies": _can_copy_from(peer)}
+                stream, {"opened": error is None, "copies": policy.copies_from(peer)}
             )
             reply = await handshake.recv(stream)
         except BaseException:
@@ -680,15 +670,6 @@ def _join(peer_rank: int, acceptor: str):
     return comm, ranks.index(peer_rank)
 
 
-def _can_copy_from(peer: dict) -> bool:
-    """Whether this process will copy the large host frames that ``peer``
-    writes to it straight from its memory (``local-copy``)"""
-    if not config("local-copy"):
-        return False
-    local = LocalPeer.find(peer)
-    return local is not None and local.readable()
-
-
 def _stuck_in_mpi(call: str, seconds: float) -> None:
     """A watchdog's: ``call`` has blocked the event loop for ``seconds``, past
     its timeout, and will not return.  A process alone in its job exits; a
@@ -714,38 +695,6 @@ def _warn_full() -> None:
         "allows one process: comms with processes of new jobs (workers "
         "started by mpiexec -n 1, or without mpiexec) use TCP",
         MAX_JOBS,
-    )
-
-
-@functools.cache
-def _warn_open_mpi_apart() -> None:
-    logger.warning(
-        "Open MPI cannot connect processes of different mpiexec jobs, nor "
-        "processes not started by mpiexec (a nanny's worker process is not): "
-        "comms between them move their data over TCP. Start them all in one "
-        "mpiexec job, workers with --no-nanny (dask-mpi: --worker-class "
-        "distributed.Worker), or use MPICH"
-    )
-
-
-@functools.cache
-def _log_tcp_between_hosts(setting: str) -> None:
-    logger.info(
-        "Frames between this process and processes on other hosts travel over "
-        "TCP (distributed.comm.mpi.across-hosts: %s; auto uses MPI between "
-        "hosts that both have an RDMA network up: without one, MPI runs over "
-        "TCP too, and more slowly)",
-        setting,
-    )
-
-
-@functools.cache
-def _warn_jobs_apart() -> None:
-    logger.warning(
-        "MPICH cannot connect ranks of different mpiexec jobs of several "
-        "ranks on different hosts without crashing at exit: comms between "
-        "them move their data over TCP. Start them in one mpiexec job, or "
-        "each worker alone (mpiexec -n 1, or with a nanny)"
     )
 
 

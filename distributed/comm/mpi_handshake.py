@@ -10,14 +10,12 @@ A hello that says ``"open"`` asks for an MPI channel instead of a comm (see
 
 from __future__ import annotations
 
-import functools
-import glob
+import dataclasses
 import json
 import logging
-import socket
 import struct
 
-from distributed.comm import mpi_gpu, mpi_startup
+from distributed.comm import mpi_gpu, mpi_policy, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi_liveness import beacon, hung_up, pid_namespace
 
@@ -67,31 +65,97 @@ async def recv(stream) -> dict:
     return msg
 
 
-async def exchange(stream, mine: dict, may_open=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a handshake, as its hello says"""
+
+    process: str  # "host/pid/nonce": mpi_startup.process_id()
+    library: str  # its MPI library
+    world: tuple[str, int] | None  # its mpiexec job and rank; None: alone
+    beacon: int | None  # where peers on its host read its liveness
+    pid_namespace: int | None
+    rdma: bool  # its host has an RDMA network up
+    stopped: bool  # it calls MPI no more
+    gpu: dict | None  # mpi_gpu.hello: None without a GPU
+    unreachable: frozenset[str] = frozenset()  # the processes it gave up on
+    chunk_size: int | None = None  # of its MPI pieces
+    open: bool | None = None  # whether it asks for (or opens) a channel
+
+    @property
+    def host(self) -> str:
+        return self.process.split("/", 1)[0]
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.split("/")[1])
+
+    @property
+    def job(self) -> str:
+        """Its mpiexec job: the process itself when alone in one"""
+        return self.world[0] if self.world else self.process
+
+    @classmethod
+    def parse(cls, hello: dict) -> Peer:
+        """The peer of a hello; ValueError, saying why, if it is not one"""
+        problem = _incompatibility(hello)
+        if problem:
+            raise ValueError(problem)
+        process, world = hello["process"], hello.get("world")
+        if len(process.split("/")) != 3 or not process.split("/")[1].isdigit():
+            raise ValueError(f"peer named itself {process!r}, not host/pid/nonce")
+        if world is not None:
+            if not (isinstance(world, list) and len(world) == 2):
+                raise ValueError(f"peer's mpiexec job is {world!r}")
+            world = (str(world[0]), int(world[1]))
+        chunk_size = hello.get("chunk_size")
+        return cls(
+            process=process,
+            library=hello["library"],
+            world=world,
+            beacon=_int_or_none(hello.get("beacon")),
+            pid_namespace=_int_or_none(hello.get("pid_namespace")),
+            rdma=hello.get("rdma") is True,
+            stopped=bool(hello.get("stopped")),
+            gpu=hello.get("gpu") if isinstance(hello.get("gpu"), dict) else None,
+            unreachable=frozenset(map(str, hello.get("unreachable", ()))),
+            chunk_size=_int_or_none(chunk_size) if chunk_size else None,
+            open=bool(hello["open"]) if "open" in hello else None,
+        )
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def exchange(stream, mine: dict, may_open=None) -> Peer:
     """Say hello (``mine``) and hear the peer's: its hello, or ``Refused`` (listening)
     or ``FatalCommClosedError`` (connecting) if the two cannot talk over MPI.
-    A listener gives ``may_open(hello)``: whether it opens a channel to a peer
-    that asks for one; the ``"open"`` of the hello it returns then says
+    A listener gives ``may_open(peer)``: whether it opens a channel to a peer
+    that asks for one; the ``open`` of the peer it returns then says
     whether it does."""
     listening = may_open is not None
     if not listening:
         await send(stream, mine)
-    peer = await recv(stream)
-    problem = peer.get("error") or incompatibility(peer)
+    hello = await recv(stream)
+    try:
+        problem = hello.get("error")
+        peer = None if problem else Peer.parse(hello)
+    except (ValueError, TypeError) as e:
+        problem = str(e)
     if listening and problem:
         await send(stream, {"error": problem})
         raise Refused(problem)
     if problem:
         raise FatalCommClosedError(problem)
     if listening:
-        if "open" in peer:
-            peer["open"] = bool(peer["open"]) and may_open(peer)
-        await send(stream, {**mine, "open": bool(peer.get("open"))})
+        if peer.open is not None:
+            peer = dataclasses.replace(peer, open=peer.open and may_open(peer))
+        await send(stream, {**mine, "open": bool(peer.open)})
     return peer
 
 
 def hello() -> dict:
-    across_hosts()  # a bad setting fails every handshake, and says why
+    mpi_policy.across_hosts()  # a bad setting fails every handshake, and says why
     return {
         "protocol": PROTOCOL,
         "process": mpi_startup.process_id(),
@@ -99,118 +163,28 @@ def hello() -> dict:
         "world": mpi_startup.world(),
         "beacon": beacon(),
         "pid_namespace": pid_namespace(),
-        "rdma": rdma(),
+        "rdma": mpi_policy.rdma(),
         "stopped": mpi_startup.mpi_stopped() is not None,  # calls MPI no more
         "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 
 
-def incompatibility(peer: dict) -> str | None:
+def _incompatibility(hello: dict) -> str | None:
     """Why a peer with this hello cannot talk to us over MPI, if it cannot"""
-    if peer.get("protocol") != PROTOCOL:
+    if hello.get("protocol") != PROTOCOL:
         return (
-            f"peer speaks mpi:// protocol {peer.get('protocol')!r}, this process "
+            f"peer speaks mpi:// protocol {hello.get('protocol')!r}, this process "
             f"{PROTOCOL}: use the same version of distributed everywhere"
         )
-    if peer.get("library") != mpi_startup.library():
+    if hello.get("library") != mpi_startup.library():
         return (
-            f"peer uses MPI library {peer.get('library')!r}, this process "
+            f"peer uses MPI library {hello.get('library')!r}, this process "
             f"{mpi_startup.library()!r}: all processes of a cluster on mpi:// "
             "must use the same MPI library"
         )
-    if not isinstance(peer.get("process"), str):
+    if not isinstance(hello.get("process"), str):
         return "peer did not say which process it is"
     return None
-
-
-def open_mpi_apart(peer: dict) -> bool:
-    """Whether the peer is a process of another Open MPI job, or of none:
-    Open MPI cannot connect the two without its ``ompi-server`` (it would
-    hang in MPI_Comm_connect rather than fail), so they talk over TCP alone"""
-    return (
-        mpi_startup.library().startswith("Open MPI")
-        and peer["process"] != mpi_startup.process_id()
-        and not same_world(peer)
-    )
-
-
-def tcp_between_hosts(peer: dict) -> bool:
-    """Whether the peer runs on another host, and its frames are to travel
-    over TCP (setting ``across-hosts``).  Without an RDMA network at both
-    ends MPI runs over TCP too (MPICH: UCX's tcp transport), slower than the
-    comm's own connection (docs/benchmarks.rst, "Across hosts")"""
-    setting = across_hosts()
-    if setting == "mpi" or not _other_host(peer):
-        return False
-    return setting == "tcp" or not (rdma() and peer.get("rdma") is True)
-
-
-def across_hosts() -> str:
-    """The setting ``across-hosts``: auto, mpi or tcp"""
-    setting = mpi_startup.config("across-hosts")
-    if setting not in ("auto", "mpi", "tcp"):
-        raise ValueError(
-            "distributed.comm.mpi.across-hosts must be auto, mpi or tcp, "
-            f"not {setting!r}"
-        )
-    return setting
-
-
-@functools.cache
-def rdma() -> bool:
-    """Whether this host has an RDMA network port up (InfiniBand, RoCE,
-    Omni-Path, EFA: what MPI uses between hosts instead of TCP)"""
-    for path in glob.glob("/sys/class/infiniband/*/ports/*/state"):
-        try:
-            with open(path) as f:
-                if "ACTIVE" in f.read():
-                    return True
-        except OSError:
-            pass
-    return False
-
-
-def _other_host(peer: dict) -> bool:
-    """Whether the host named in the peer's process id is not this one"""
-    return peer["process"].split("/", 1)[0] != socket.gethostname()
-
-
-def jobs_apart_across_hosts(peer: dict) -> bool:
-    """Whether the peer is a rank of another MPICH job of several ranks, on
-    another host, and this process too.  One of the two would have to call
-    MPI_Comm_connect, which (MPICH 5.0, UCX: ``MPIDI_UCX_dynamic_send``)
-    releases its send request twice when the send waits for UCX to connect,
-    as it does between hosts: MPI_Finalize then reports a request as leaked,
-    reading a stale one, and may crash.  A process alone in its job leaves
-    MPI_Finalize out; a rank of a bigger job cannot, so the two talk over
-    TCP alone"""
-    mine, theirs = mpi_startup.world(), peer.get("world")
-    return (
-        mpi_startup.library().startswith("MPICH")
-        and mine is not None
-        and theirs is not None
-        and theirs[0] != mine[0]
-        and _other_host(peer)
-    )
-
-
-def pid_isolated(peer: dict) -> bool:
-    """Whether the peer runs on this host in another PID namespace (a
-    container sharing the host's name): MPICH 5.0 with UCX crashes opening a
-    channel to it, so the two talk over TCP alone"""
-    return not _other_host(peer) and peer.get("pid_namespace") != pid_namespace()
-
-
-def job(peer: dict) -> str:
-    """The mpiexec job of the peer: the process itself when alone in it"""
-    world = peer.get("world")
-    return world[0] if world else peer["process"]
-
-
-def same_world(peer: dict) -> bool:
-    """Whether the peer is another rank of this process's mpiexec job"""
-    mine, theirs = mpi_startup.world(), peer.get("world")
-    return mine is not None and theirs is not None and theirs[0] == mine[0]
 
 
 def peer_gone(stream) -> bool:

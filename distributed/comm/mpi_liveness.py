@@ -26,8 +26,12 @@ import os
 import select
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from distributed.comm.mpi_startup import process_id
+
+if TYPE_CHECKING:
+    from distributed.comm.mpi_handshake import Peer
 
 
 class _IOVec(ctypes.Structure):
@@ -63,18 +67,16 @@ class LocalPeer:
         self._remote = _IOVec(address, 1)
 
     @classmethod
-    def find(cls, hello: dict) -> LocalPeer | None:
-        """The peer of this handshake if it runs on this host (and this is
+    def find(cls, peer: Peer) -> LocalPeer | None:
+        """The peer of a handshake if it runs on this host (and this is
         Linux, where UCX copies from local peers) and named its beacon"""
-        host, pid, _ = hello["process"].rsplit("/", 2)
-        address = hello.get("beacon")
-        if sys.platform != "linux" or not isinstance(address, int):
+        if sys.platform != "linux" or peer.beacon is None:
             return None
-        if host != socket.gethostname() or hello["process"] == process_id():
+        if peer.host != socket.gethostname() or peer.process == process_id():
             return None
-        if hello.get("pid_namespace") != pid_namespace():
+        if peer.pid_namespace != pid_namespace():
             return None  # a container on this host: UCX does not read it
-        return cls(int(pid), address)
+        return cls(peer.pid, peer.beacon)
 
     def died(self) -> bool:
         """Whether its memory is gone: it died, or is dying"""

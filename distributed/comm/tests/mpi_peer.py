@@ -144,7 +144,7 @@ async def handle(comm):
                 await back.read()
                 msg = {"crossed": True}
             elif isinstance(msg, dict) and msg.get("op") == "channel":
-                channel = mpi_channel.channels.get(comm._route.peer["process"])
+                channel = mpi_channel.channels.get(comm.peer.process)
                 msg = {"channel": channel and channel.id}
             elif isinstance(msg, dict) and msg.get("op") == "pending":
                 msg = {"pending": ProgressEngine.current().pending()}
@@ -236,7 +236,7 @@ async def ping(address):
         await comm.write({"op": "sum", "x": to_serialize(array)})
         assert (await comm.read())["sum"] == array.sum()
         if comm.channel is not None or not mpi_channel.channels.reachable(
-            comm._route.peer["process"]
+            comm.peer.process
         ):
             break
         await asyncio.sleep(0.05)

@@ -36,10 +36,11 @@ from distributed.comm import (
     parse_address,
     resolve_address,
 )
-from distributed.comm import mpi_buffers, mpi_handshake, mpi_startup, mpi_stream
+from distributed.comm import mpi_buffers, mpi_handshake, mpi_policy, mpi_startup
+from distributed.comm import mpi_stream
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
-from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL
+from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL, Peer
 from distributed.comm.mpi_liveness import LocalPeer, hung_up, pid_namespace
 from distributed.comm.registry import backends
 from distributed.comm.utils import to_frames
@@ -142,19 +143,23 @@ def test_local_peer_knows_when_its_process_died():
         "print(beacon(), flush=True); time.sleep(60)"
     )
     with popen([sys.executable, "-c", code], capture_output=True) as proc:
-        hello = {"process": f"{socket.gethostname()}/{proc.pid}/x"}
-        hello["beacon"] = int(proc.stdout.readline())
-        hello["pid_namespace"] = pid_namespace()
-        peer = LocalPeer.find(hello)
+        mpi_startup.start_mpi().result()
+        hello = {
+            **mpi_handshake.hello(),
+            "process": f"{socket.gethostname()}/{proc.pid}/x",
+            "beacon": int(proc.stdout.readline()),
+        }
+        peer = LocalPeer.find(Peer.parse(hello))
         assert not peer.died()
         proc.kill()
         deadline = time.monotonic() + 10
         while not peer.died():  # dead, not yet reaped
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert LocalPeer.find({**hello, "process": f"elsewhere/{proc.pid}/x"}) is None
+        elsewhere = {**hello, "process": f"elsewhere/{proc.pid}/x"}
+        assert LocalPeer.find(Peer.parse(elsewhere)) is None
         # A container on this host: its pids are not ours
-        assert LocalPeer.find({**hello, "pid_namespace": -1}) is None
+        assert LocalPeer.find(Peer.parse({**hello, "pid_namespace": -1})) is None
 
 
 @gen_test()
@@ -162,18 +167,47 @@ async def test_across_hosts_setting():
     await mpi_startup.mpi_ready()
     here = mpi_handshake.hello()
     there = {**here, "process": "elsewhere/1/x"}
-    assert mpi_handshake.tcp_between_hosts(there) is not (
-        here["rdma"] and there["rdma"]
-    )
-    assert not mpi_handshake.tcp_between_hosts(here)  # this host: always MPI
+
+    def tcp_between_hosts(hello):
+        return mpi_policy.tcp_between_hosts(Peer.parse(hello))
+
+    assert tcp_between_hosts(there) is not (here["rdma"] and there["rdma"])
+    assert not tcp_between_hosts(here)  # this host: always MPI
     with dask.config.set({"distributed.comm.mpi.across-hosts": "mpi"}):
-        assert not mpi_handshake.tcp_between_hosts({**there, "rdma": False})
+        assert not tcp_between_hosts({**there, "rdma": False})
     with dask.config.set({"distributed.comm.mpi.across-hosts": "tcp"}):
-        assert mpi_handshake.tcp_between_hosts({**there, "rdma": True})
-        assert not mpi_handshake.tcp_between_hosts(here)
+        assert tcp_between_hosts({**there, "rdma": True})
+        assert not tcp_between_hosts(here)
     with dask.config.set({"distributed.comm.mpi.across-hosts": "sometimes"}):
         with pytest.raises(ValueError, match="auto, mpi or tcp, not 'sometimes'"):
             mpi_handshake.hello()
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"process": "nobody"}, "host/pid/nonce"),
+        ({"process": 7}, "did not say which process"),
+        ({"world": "job"}, "mpiexec job"),
+        ({"library": "another MPI"}, "must use the same MPI library"),
+        ({"protocol": 1}, "use the same version of distributed"),
+    ],
+)
+@gen_test()
+async def test_a_hello_is_parsed_once_and_garbage_refused(change, why):
+    await mpi_startup.mpi_ready()
+    hello = mpi_handshake.hello()
+    peer = Peer.parse(hello)
+    assert (peer.process, peer.library, peer.gpu) == (
+        hello["process"],
+        hello["library"],
+        hello["gpu"],
+    )
+    assert peer.world == (tuple(hello["world"]) if hello["world"] else None)
+    assert peer.job == (hello["world"][0] if hello["world"] else hello["process"])
+    assert peer.host == socket.gethostname() and peer.pid == os.getpid()
+    with pytest.raises(ValueError, match=why):
+        Peer.parse({**hello, **change})
 
 
 def test_address_helpers():

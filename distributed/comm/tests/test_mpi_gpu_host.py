@@ -94,7 +94,7 @@ async def connect_over_mpi(address: str):
     for _ in range(100):
         await comm.write({"op": "echo", "x": to_serialize(np.zeros(CHUNK))})
         await comm.read()  # over MPI too, if the channel is open at both ends
-        if comm.channel and comm.channel is channels.get(comm._route.peer["process"]):
+        if comm.channel and comm.channel is channels.get(comm.peer.process):
             return comm
         await asyncio.sleep(0.05)
     raise AssertionError(f"{comm} opened no MPI channel")

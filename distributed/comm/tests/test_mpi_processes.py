@@ -318,7 +318,7 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
             path = str(tmp_path / f"address-{i}")
             with mpiexec([*PEER, "serve", path]) as proc:
                 comm = await connect(wait_for_file(path, proc))
-                peer = comm._route.peer["process"]
+                peer = comm.peer.process
                 cross = {"op": "cross", "address": listener.contact_address}
                 await comm.write({**cross, "size": 4_000_000, "x": large})
                 assert await comm.read() == {"crossed": True}
@@ -511,7 +511,7 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
         [*PEER[:2], *timeout, *PEER[2:], "serve-late", path], **OUTPUT
     ) as server:
         comm = await connect(wait_for_file(path, server))
-        peer = comm._route.peer["process"]
+        peer = comm.peer.process
         array = np.arange(3_000_000)
         with captured_logger("distributed.comm.mpi_channel") as log:
             for _ in range(100):
