@@ -50,6 +50,7 @@ from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_handshake import Peer
+from distributed.comm.mpi_opener import opener
 from distributed.comm.mpi_progress import Stalled
 from distributed.comm.mpi_routes import ORDER, Message, Route
 from distributed.comm.mpi_startup import config, get_mpi
@@ -142,7 +143,7 @@ async def _handshake(stream, dial: str | None = None) -> _Link | None:
     }
     try:
         peer = await handshake.exchange(
-            stream, mine, None if dial else channels.may_accept
+            stream, mine, None if dial else opener.may_accept
         )
     except FatalCommClosedError as e:  # a refusal, or garbage instead of a hello
         if dial is None:
@@ -151,7 +152,7 @@ async def _handshake(stream, dial: str | None = None) -> _Link | None:
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
     if peer.open is not None and dial is None:
-        if not (peer.open and await channels.open(stream, peer)):
+        if not (peer.open and await opener.open(stream, peer)):
             stream.close()
         return None  # the channel keeps the stream
     if peer.process == mpi_startup.process_id():
@@ -215,7 +216,7 @@ class MPI(TCP):
                 self.abort()
                 raise CommClosedError(f"{self}: garbled message head")
             if head.want_channel and self._link and self._link.dial:
-                channels.open_soon(self._link.dial, self._link.peer)
+                opener.open_soon(self._link.dial, self._link.peer)
             frames = await self._receive(head, frames[1:])
         try:
             return await from_frames(
@@ -343,7 +344,7 @@ class MPI(TCP):
         channel = channel or channels.get(link.peer.process)
         if channel is None:
             if link.dial:
-                channels.open_soon(link.dial, link.peer)
+                opener.open_soon(link.dial, link.peer)
                 return self.write_frames(frames)
             return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]

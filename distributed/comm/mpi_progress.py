@@ -100,6 +100,73 @@ class _Transfer:
         self.sizes = sizes  # of receives: the bytes each must get
 
 
+class Orphans:
+    """Transfers that nobody waits for, and the buffers MPI may still touch,
+    until their requests complete: tested together, those receiving from a
+    sender on this host that died cancelled, those past their deadline
+    cancelled too (nobody will match them).  The progress engine's, and the
+    exit drain's."""
+
+    def __init__(self, MPI):
+        self.MPI = MPI
+        self._complete = completion_check(MPI)
+        # requests, their buffers, deadline, and the sender on this host of
+        # receives
+        self.entries: list[tuple[list, Any, float, LocalPeer | None]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, requests: list, keepalive: Any, deadline: float, sender) -> None:
+        self.entries.append((requests, keepalive, deadline, sender))
+
+    def drop_dead(self, died) -> None:
+        """Cancel the receives from senders that died (``died(sender)``); stop
+        MPI in this process if one that MPI had matched is left"""
+        for requests, _, _, sender in self.entries:
+            if died(sender):
+                cancel_requests(self.MPI, requests)
+                if stop_if_doomed(requests, self._complete):
+                    return
+
+    def test(self, now: float, before_mpi) -> bool:
+        """Test them all in one call into MPI (each alone if that fails,
+        after ``before_mpi()``), and cancel those past their deadline;
+        whether any completed"""
+        before_mpi()
+        everything = [request for entry in self.entries for request in entry[0]]
+        try:
+            self.MPI.Request.Testsome(everything)
+            alone = False
+        except self.MPI.Exception:
+            alone = True  # one of them failed: test each alone
+        pending = []
+        for entry in self.entries:
+            requests, _, deadline, _ = entry
+            try:
+                if alone:
+                    before_mpi()
+                    if self.MPI.Request.Testall(requests):
+                        continue
+                elif not any(requests):  # Testsome nulled the completed
+                    continue
+                if now > deadline:
+                    for request in filter(None, requests):  # not completed
+                        request.Cancel()
+            except self.MPI.Exception:
+                continue
+            pending.append(entry)
+        completed = len(pending) < len(self.entries)
+        self.entries = pending
+        return completed
+
+    def cancel_receives(self) -> None:
+        """Cancel the receives left (MPICH cannot cancel sends)"""
+        for requests, _, _, sender in self.entries:
+            if sender is not None:
+                cancel_requests(self.MPI, requests)
+
+
 class ProgressEngine:
     """Tests the MPI requests of one event loop while any is pending"""
 
@@ -122,13 +189,10 @@ class ProgressEngine:
             dask.config.get("distributed.comm.timeouts.connect")
         )
         self.MPI = get_mpi()
-        self._complete = completion_check(self.MPI)
         # A proxy: the engines' dict must not keep closed loops alive
         self._loop = weakref.proxy(loop)
         self._transfers: dict[asyncio.Future, _Transfer] = {}
-        # requests of abandoned transfers, their buffers (MPI may still touch
-        # them), deadline, and the sender on this host of receives
-        self._orphans: list[tuple[list, Any, float, LocalPeer | None]] = []
+        self._orphans = Orphans(self.MPI)  # abandoned transfers
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
         self._delay = 0.0
@@ -167,7 +231,7 @@ class ProgressEngine:
         try:
             self.drop_dead_senders()  # just before MPI may start to copy
         except MPIStopped:
-            self._orphans.append((requests, keepalive, math.inf, sender))
+            self._orphans.add(requests, keepalive, math.inf, sender)
             raise
         statuses = [] if sizes else None
         if self.MPI.Request.Testall(requests, statuses):
@@ -206,7 +270,7 @@ class ProgressEngine:
         this host).  Those still pending after the connect timeout are
         cancelled: nobody will match them."""
         deadline = self._loop.time() + self.orphan_timeout
-        self._orphans.append((requests, keepalive, deadline, sender))
+        self._orphans.add(requests, keepalive, deadline, sender)
         self.wake()
 
     def cancel(
@@ -250,7 +314,7 @@ class ProgressEngine:
             for entry in self._transfers.values()
         ] + [
             (requests, keepalive, sender)
-            for requests, keepalive, _, sender in self._orphans
+            for requests, keepalive, _, sender in self._orphans.entries
         ]
 
     def __del__(self, left=_left):  # bound now: at shutdown, globals are None
@@ -276,7 +340,7 @@ class ProgressEngine:
                 self._last_progress = now
                 self._delay = 0.0
             if self._orphans:
-                self._test_orphans(now)
+                self._orphans.test(now, self.drop_dead_senders)
         except MPIStopped:
             return  # every transfer failed; MPI keeps the orphans for good
         if not self._transfers and not self._orphans:
@@ -303,11 +367,7 @@ class ProgressEngine:
             for fut, entry in list(self._transfers.items()):
                 if died(entry.sender):
                     self.cancel(fut, CommClosedError("the peer process died"))
-            for requests, _, _, sender in self._orphans:
-                if died(sender):
-                    cancel_requests(self.MPI, requests)
-                    if stop_if_doomed(requests, self._complete):
-                        break
+            self._orphans.drop_dead(died)
         if mpi_stopped() is not None:
             self._fail_all()
             raise MPIStopped(f"MPI is stopped in this process: {mpi_stopped()}")
@@ -316,9 +376,7 @@ class ProgressEngine:
         """Fail every transfer: MPI is stopped.  Their buffers stay with the
         orphans, for good: MPI may hold them."""
         for fut, entry in self._transfers.items():
-            self._orphans.append(
-                (entry.requests, entry.keepalive, math.inf, entry.sender)
-            )
+            self._orphans.add(entry.requests, entry.keepalive, math.inf, entry.sender)
             if not fut.done():
                 fut.set_exception(MPIStopped("MPI is stopped in this process"))
                 fut.exception()  # retrieved: nobody may wait for it
@@ -414,34 +472,6 @@ class ProgressEngine:
             if got != sizes[index]:
                 return f"MPI delivered {got} bytes to a receive of {sizes[index]}"
         return None
-
-    def _test_orphans(self, now: float) -> None:
-        """Test the abandoned transfers in one call into MPI, as
-        :meth:`_test_transfers` does; cancel those past their deadline"""
-        self.drop_dead_senders()
-        everything = [request for orphan in self._orphans for request in orphan[0]]
-        try:
-            self.MPI.Request.Testsome(everything)
-            alone = False
-        except self.MPI.Exception:
-            alone = True  # one of them failed: test each alone
-        pending = []
-        for orphan in self._orphans:
-            requests, _, deadline, _ = orphan
-            try:
-                if alone:
-                    self.drop_dead_senders()
-                    if self.MPI.Request.Testall(requests):
-                        continue
-                elif not any(requests):  # Testsome nulled the completed
-                    continue
-                if now > deadline:
-                    for request in filter(None, requests):  # not completed
-                        request.Cancel()
-            except self.MPI.Exception:
-                continue
-            pending.append(orphan)
-        self._orphans = pending
 
 
 def cancel_requests(MPI, requests: list) -> None:

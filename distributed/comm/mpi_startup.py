@@ -193,7 +193,7 @@ def _finalize(MPI) -> None:
 
 def skip_finalize(reason: str) -> None:
     """Leave MPI_Finalize out at exit, after the hooks, where it would crash
-    this process (see ``mpi_channel.Channels.open``).  Only a process alone
+    this process (see ``mpi_opener.Opener.open``).  Only a process alone
     in its MPICH job may: MPICH's MPI_Finalize starts with a barrier over the
     process manager with the other ranks of the job.  Hydra and MPICH
     singletons take a process that exits with status 0 without it for one

@@ -50,9 +50,9 @@ def about() -> dict:
 
 def opening() -> int:
     """How many MPI channels this worker is opening (run on workers)"""
-    from distributed.comm.mpi_channel import channels
+    from distributed.comm.mpi_opener import opener
 
-    return len(channels._opening)
+    return len(opener._opening)
 
 
 def wait_for_channels(client: Client, timeout: float = 60) -> None:

@@ -41,7 +41,7 @@ from distributed.comm import mpi_stream
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL, Peer
-from distributed.comm.mpi_liveness import LocalPeer, hung_up, pid_namespace
+from distributed.comm.mpi_liveness import LocalPeer, hung_up
 from distributed.comm.registry import backends
 from distributed.comm.utils import to_frames
 from distributed.core import Server, rpc

@@ -28,6 +28,7 @@ from distributed.comm import (
     listen,
     mpi_channel,
     mpi_handshake,
+    mpi_opener,
     mpi_startup,
 )
 from distributed.comm.mpi import Head
@@ -296,7 +297,7 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
     opposite orders (in the workloads benchmark, each then released the one
     the other kept, which left them none): here, this end finishes the
     first one late."""
-    publish, late = mpi_channel.Channels._publish, set()
+    publish, late = mpi_channel.Channels.publish, set()
 
     def publish_the_first_late(self, channel):
         if channel.peer in late:
@@ -305,7 +306,7 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
             late.add(channel.peer)
             asyncio.get_running_loop().call_later(0.3, publish, self, channel)
 
-    monkeypatch.setattr(mpi_channel.Channels, "_publish", publish_the_first_late)
+    monkeypatch.setattr(mpi_channel.Channels, "publish", publish_the_first_late)
 
     async def echo(comm):
         with contextlib.suppress(CommClosedError):
@@ -503,7 +504,7 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
     here: which one connects depends on their ids"""
     # As they are now, after the test
     monkeypatch.setattr(mpi_handshake, "recv", mpi_handshake.recv)
-    monkeypatch.setattr(mpi_channel.Channels, "_meet", mpi_channel.Channels._meet)
+    monkeypatch.setattr(mpi_opener.Opener, "_meet", mpi_opener.Opener._meet)
     late_for_ports()
     path = str(tmp_path / "address")
     timeout = ["-env", "DASK_DISTRIBUTED__COMM__MPI__CHANNEL_TIMEOUT", "1s"]
