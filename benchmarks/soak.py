@@ -74,8 +74,14 @@ def _registries():
     if mod is None:
         return None
     channels = mod.channels
-    names = ["_open", "_by_id", "_opening", "_unreachable", "_ports", "_jobs"]
-    sizes = {name.strip("_"): len(getattr(channels, name)) for name in names}
+    opener = sys.modules["distributed.comm.mpi_opener"].opener
+    registries = [(channels, ["_open", "_by_id", "_unreachable", "_jobs"])]
+    registries += [(opener, ["_opening", "_ports"])]
+    sizes = {
+        name.strip("_"): len(getattr(registry, name))
+        for registry, names in registries
+        for name in names
+    }
     # The progress engines' transfers in flight, and abandoned ones
     engines = sys.modules["distributed.comm.mpi_progress"].ProgressEngine._engines
     for name in ["_transfers", "_orphans"]:

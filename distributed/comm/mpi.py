@@ -461,8 +461,9 @@ def _grouped(pairs) -> list[tuple[Route, list]]:
 
 def _widen(sock: socket.socket) -> None:
     """Let a Unix socket hold as much as TCP's does by default (4 MiB): with
-    Linux's default of 208 KiB, a message of 500 KB took 1.2-1.6x as long as
-    over TCP.  Linux caps it at ``net.core.wmem_max``."""
+    Linux's default, messages of some hundred KB took longer than over TCP
+    (docs/mpi-design.rst, "Comms on one host").  Linux caps it at
+    ``net.core.wmem_max``."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 2**20)
 
 
@@ -496,8 +497,8 @@ def _connect_locally(address: str) -> SocketStream | None:
 
 
 class MPIConnector(TCPConnector):
-    """Connects over TCP, or over a Unix socket to a listener on this host
-    (it takes less time, and CPU, to deliver a message: ~5 % of a round trip)"""
+    """Connects over TCP, or over a Unix socket to a listener on this host,
+    which delivers a message sooner, and with less CPU"""
 
     prefix = "mpi://"
     comm_class = MPI

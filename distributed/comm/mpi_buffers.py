@@ -1,19 +1,17 @@
 """Host memory for the frames an ``mpi://`` comm receives, over MPI or its socket.
 
-A fresh buffer costs its receive a page fault per page: between processes of
-one host, where MPI copies straight from the sender's memory (CMA), 64 MiB into
-fresh memory took 5.8 ms, into memory used before 3.6.  Frames from the socket
-pay the same where glibc maps each buffer afresh: from its mmap threshold,
-which adapts up to 32 MiB, or stays at 128 KiB under a nanny (its
-``MALLOC_TRIM_THRESHOLD_`` fixes it): a 700 KB frame took 171 page faults, 30x
-the time of one from glibc's heap.  Smaller frames from the socket come from
-glibc's heap, as on ``tcp://``: it serves them in 0.4 us, this module in 4-7.
-Two things help:
+A fresh buffer costs its receive a page fault per page, a large part of the
+time of a copy from a process of this host.  Frames from the socket pay the
+same where glibc maps each buffer afresh: from its mmap threshold, which
+adapts up to 32 MiB, or stays at 128 KiB under a nanny (its
+``MALLOC_TRIM_THRESHOLD_`` fixes it).  Smaller frames from the socket come
+from glibc's heap, as on ``tcp://``, which serves them faster than this
+module.  Two things help (figures in docs/mpi-design.rst, "Receive buffers"):
 
 - 2 MiB pages.  The kernel's transparent huge pages back only whole aligned
   2 MiB stretches of a mapping that asks for them; numpy's buffers ask, but
-  start anywhere, so the last one or two MiB of each took 4 KiB pages (0.6 ms
-  of 64 MiB).  Ours start on a 2 MiB boundary.
+  start anywhere, so the last one or two MiB of each took 4 KiB pages.  Ours
+  start on a 2 MiB boundary.
 - The memory of frames already freed.  When the last reference to a received
   frame goes, its memory waits ``KEEP_FOR`` (at most twice that) for the
   next frame of its size, since a message often follows one like it, up to

@@ -29,9 +29,8 @@ from distributed.utils import _offload_executor
 # The frames are copied in pieces of this size
 PIECE = 2**20
 # Copies from this size on are shared with the offload thread; below it,
-# waking the thread cost what it saved (one comm's round trips, copies of 4
-# MiB: 1.01-1.02x the time of the event loop's alone; 8 MiB 0.88-0.91x, 64
-# MiB 0.75-0.82x)
+# waking the thread cost what it saved (docs/mpi-design.rst, "Frames between
+# processes of one host")
 SHARED_FROM = 8 * 2**20
 
 # The buffer of the empty messages that say a message's frames were copied

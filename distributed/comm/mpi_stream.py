@@ -2,8 +2,8 @@
 
 IOStream adds its socket to the event loop for a read that finds no data, and
 removes it when the read is done; with the futures and callbacks around that,
-reading and writing a small message through it took 3.5x the CPU that this
-takes (a round trip of two frames: 360 us against 100).  Control messages are
+it took several times the CPU this takes to read and write a small message
+(docs/mpi-design.rst, "The socket").  Control messages are
 most of what a scheduler's comms move, so here the socket stays in the event
 loop while it is open: each readable event reads what came, completes every
 message in it, and hands each to the comm's waiting read.  Large frames are
