@@ -16,11 +16,18 @@ repository with ``--ref``; without ``--upstream`` the tag is cloned from GitHub 
 so that every address without a scheme (nearly every ``gen_cluster`` test) is
 ``mpi://``. PYTEST ARGS (default: ``distributed``) select tests as usual. Exits 1 if
 a test failed that the expected list does not name.
+
+A run of the whole suite writes its figures to ``build/upstream-tests-SCHEME/
+record.json``; ``--record`` also puts them in ``docs/upstream-tests/SCHEME.json``
+and rewrites ``docs/upstream-tests.rst`` from those files (``--publish`` rewrites
+the page alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import shutil
 import signal
@@ -44,6 +51,8 @@ EXPECTED = Path(__file__).resolve().parent / "upstream_tests_expected.toml"
 REPOSITORY = "https://github.com/dask/distributed"
 LEFTOVERS = "upstream_tests_leftovers"  # a pytest plugin
 MPI_COMMS = "upstream_tests_mpi_comms.py"  # upstream's comm checks on mpi://
+RECORDS = ROOT / "docs" / "upstream-tests"
+PAGE = ROOT / "docs" / "upstream-tests.rst"
 
 
 def checkout(path: Path | None, ref: str | None, version: str, dest: Path) -> None:
@@ -145,9 +154,9 @@ def reason(test: str, known: dict[str, str]) -> str | None:
 
 def summarize(
     results: dict[str, str], known: dict, scheme: str, seconds: float
-) -> bool:
-    """Print counts and every failure with its expected reason; True if all
-    failures are expected."""
+) -> dict:
+    """Print counts and every failure with its expected reason; the record of
+    the run: its counts, and each failure's section (None: unexpected)"""
     counts: dict[str, int] = {}
     for outcome in results.values():
         counts[outcome] = counts.get(outcome, 0) + 1
@@ -155,22 +164,100 @@ def summarize(
     print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     sections = (["mpi"] if scheme == "mpi" else []) + ["stock"]
     failed = sorted(t for t, o in results.items() if o in ("failed", "error"))
-    unexpected = []
+    failures: dict[str, str | None] = {}
     for test in failed:
-        why = None
+        failures[test] = None
         for section in sections:
             if why := reason(test, known.get(section, {})):
                 print(f"  expected ({section}): {test}\n      {why}")
+                failures[test] = section
                 break
-        else:
-            unexpected.append(test)
+    unexpected = [test for test, section in failures.items() if section is None]
     for test in unexpected:
         print(f"  UNEXPECTED: {test}")
     print(
         f"{len(failed)} failed: {len(failed) - len(unexpected)} expected, "
         f"{len(unexpected)} unexpected"
     )
-    return not unexpected
+    return {
+        "scheme": scheme,
+        "date": datetime.date.today().isoformat(),
+        "minutes": round(seconds / 60),
+        "fork": upstream.read_config(ROOT).version,
+        "counts": counts,
+        "failures": failures,
+    }
+
+
+def publish() -> None:
+    """Write docs/upstream-tests.rst from the records in docs/upstream-tests/"""
+    known = expected_failures()
+    lines = PAGE_INTRO.splitlines() + [""]
+    for scheme in ["mpi", "tcp"]:
+        path = RECORDS / f"{scheme}.json"
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        title = f"The whole suite on ``{scheme}://``"
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(record["counts"].items()))
+        lines += [title, "-" * len(title), ""]
+        lines += [
+            f"{record['date']}, fork {record['fork']}, {record['minutes']} minutes: "
+            f"{counts}.",
+            "",
+        ]
+        failures = record.get("failures")
+        if failures is None:  # a run from before the records
+            lines += [record["note"].capitalize() + ".", ""]
+            continue
+        unexpected = [t for t, section in failures.items() if section is None]
+        lines += [
+            f"{len(failures)} failed: {len(failures) - len(unexpected)} expected, "
+            f"{len(unexpected)} unexpected.",
+            "",
+        ]
+        for test, section in sorted(failures.items(), key=lambda x: (str(x[1]), x[0])):
+            why = reason(test, known.get(section, {})) if section else None
+            lines.append(f"- ``{test}`` ({section or 'UNEXPECTED'})")
+            if why:
+                lines.append(f"  {why}")
+        lines.append("")
+    PAGE.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {PAGE}")
+
+
+PAGE_INTRO = """\
+Upstream's test suite on ``mpi://``
+===================================
+
+This page is written by ``python continuous_integration/upstream_tests.py
+--publish`` from the records of the last whole runs (``docs/upstream-tests/``):
+do not edit it by hand. Earlier runs, with what changed between them, are in
+``docs/mpi-history.rst``.
+
+distributed's own tests are not in the release the fork is built from;
+``continuous_integration/upstream_tests.py`` (see ``README.rst``) lays a
+checkout's tests around the fork and runs them as upstream's CI does: upstream's
+pytest configuration (warnings are errors, leaked threads, processes, file
+descriptors and comms fail a test), ``DISABLE_IPV6=1``, timeouts by signal. With
+``--scheme mpi`` every address without a scheme, hence nearly every
+``gen_cluster`` and ``gen_test`` cluster, is ``mpi://``; seven of upstream's comm
+checks (``distributed/comm/tests/test_comms.py``) run on ``mpi://`` too.
+``listen()`` of an address without a scheme still uses ``tcp://`` (upstream's
+``comm/core.py``), and some tests rely on that.
+
+Every failure is matched against
+``continuous_integration/upstream_tests_expected.toml``, which gives, for each
+test that fails here for a reason that is not a defect of the fork, that reason:
+
+- ``[stock]``: fails on stock upstream distributed on these machines, on every
+  transport (no sshd, running as root, too slow on 2 cores);
+- ``[mpi]``: fails only on ``mpi://``, because the test assumes ``tcp://``: the
+  line that does, and why that is not a defect of ``mpi://``;
+- ``[deselect]``: not run at all (it would write to ``/`` or dial the internet).
+
+A failure not in that file is reported as unexpected, and the command exits 1.
+"""
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> bool:
@@ -198,11 +285,17 @@ def run(args: argparse.Namespace, run_dir: Path) -> bool:
             pass
     if not junit.exists():
         sys.exit(f"pytest wrote no results (exit code {proc.returncode})")
-    ok = summarize(outcomes(junit), known, args.scheme, time.monotonic() - start)
+    record = summarize(outcomes(junit), known, args.scheme, time.monotonic() - start)
     if proc.returncode not in (0, 1):  # 1: tests failed
         print(f"pytest did not finish its run: exit code {proc.returncode}")
         return False
-    return ok
+    if not args.pytest_args:  # the whole suite
+        (run_dir / "record.json").write_text(json.dumps(record, indent=1))
+        if args.record:
+            RECORDS.mkdir(exist_ok=True)
+            (RECORDS / f"{args.scheme}.json").write_text(json.dumps(record, indent=1))
+            publish()
+    return None not in record["failures"].values()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,8 +307,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ref", help="with --upstream: the commit or tag to run")
     parser.add_argument("--scheme", choices=["tcp", "mpi"], default="tcp")
+    parser.add_argument(
+        "--record", action="store_true", help="publish a whole run's figures"
+    )
+    parser.add_argument(
+        "--publish", action="store_true", help="rewrite the page, run nothing"
+    )
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args(argv)
+    if args.publish:
+        publish()
+        return
     # Tests SIGINT the processes they start, which would inherit an ignored
     # SIGINT from a shell's background job (``... &``): exec resets a handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
