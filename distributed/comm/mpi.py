@@ -84,10 +84,11 @@ class Head(NamedTuple):
     # index, size, route code, and what the route says of it (an address)
     frames: list[tuple[int, int, int, int]]
     lease: tuple[int, int] = (0, 0)  # of the copied frames: mpi_copy.Lease.head
+    extra: bytes = b""  # what routes say beyond a word (IPC handles)
 
     MARK = 0xC1  # "never used" in msgpack
-    # MARK, flags, len(frames), channel, tag, lease
-    _FIXED = struct.Struct("<BBxxIQIQQ")
+    # MARK, flags, len(frames), channel, tag, lease, len(extra)
+    _FIXED = struct.Struct("<BBxxIQIQQI")
     _FRAME = struct.Struct("<IQBQ")
 
     def pack(self) -> bytes:
@@ -98,17 +99,21 @@ class Head(NamedTuple):
             self.channel,
             self.tag,
             *self.lease,
+            len(self.extra),
         )
-        return b"".join([fixed, *(self._FRAME.pack(*frame) for frame in self.frames)])
+        frames = [self._FRAME.pack(*frame) for frame in self.frames]
+        return b"".join([fixed, *frames, self.extra])
 
     @classmethod
     def unpack(cls, data) -> Head:
-        _, want, n, channel, tag, *lease = cls._FIXED.unpack_from(data)
+        _, want, n, channel, tag, *lease, extra = cls._FIXED.unpack_from(data)
         frames = [
             cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
             for i in range(n)
         ]
-        return cls(bool(want), channel, tag, frames, tuple(lease))
+        start = cls._FIXED.size + n * cls._FRAME.size
+        extra = bytes(data[start : start + extra])
+        return cls(bool(want), channel, tag, frames, tuple(lease), extra)
 
 
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
@@ -275,7 +280,7 @@ class MPI(TCP):
             raise CommClosedError(f"{self}: {e}")
         self._use(channel)
         msg = Message(channel, head.tag, link.chunk_size, self._transfers, True)
-        msg.lease = head.lease
+        msg.lease, msg.extra = head.lease, head.extra
         received, pending = [], []
         try:
             for reader, entries in plan:
@@ -286,6 +291,8 @@ class MPI(TCP):
                 pending += waits
             for fut in pending:
                 await fut
+            if self.closed():  # meanwhile, by this end
+                raise CommClosedError(f"{self} closed")
         except Stalled:
             self._stalled(channel)
             raise CommClosedError(f"{self}: MPI stopped delivering")
@@ -364,7 +371,8 @@ class MPI(TCP):
                 for i, word in zip(indices, words)
             ]
         lease = msg.lease.head if msg.lease else (0, 0)
-        head = Head(False, channel.id, msg.tag, entries, lease).pack()
+        head = Head(False, channel.id, msg.tag, entries, lease, bytes(msg.extra))
+        head = head.pack()
         # Like a TCP comm's write, return once the message is queued: the
         # engine keeps the frames until MPI has sent them, or the reader
         # copied them

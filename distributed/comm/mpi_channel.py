@@ -85,8 +85,10 @@ class Channel:
         self.link: tuple[SocketStream, asyncio.AbstractEventLoop] | None = None
         self.nbytes = 0  # of the frames it moved, both ways
         # The peer, on this host, copies large host frames from this
-        # process's memory itself: they do not go through MPI
+        # process's memory itself, and device frames from its GPU memory
+        # (CUDA IPC): they do not go through MPI
         self.peer_copies = False
+        self.peer_ipc = False
         MPI = get_mpi()
         self.gpu = policy.gpu_path(peer)  # how device frames travel
         self.routes = Routes(self)
@@ -315,7 +317,10 @@ class Channels:
         self._cut(channel)
         with self._lock:
             freed = self._by_id.pop(channel.id, None)
-        if freed is None or mpi_stopped():
+        if freed is None:
+            return
+        channel.routes.close()
+        if mpi_stopped():
             return
         with contextlib.suppress(get_mpi().Exception):
             channel.comm.Free()

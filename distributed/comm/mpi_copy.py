@@ -98,7 +98,7 @@ async def receive(channel, copies: list[tuple[int, int]], lease: tuple[int, int]
             raise OSError(errno.ECANCELED, "the writer gave the message up")
     except OSError as e:
         raise CommClosedError(
-            f"cannot copy a message's frames from the writer's memory: {_why(e)}"
+            f"cannot copy a message's frames from the writer's memory: {why(e)}"
         ) from e
     finally:
         copy.pieces.clear()  # cancelled: the helper stops
@@ -161,7 +161,8 @@ def acknowledge(engine, channel, tag: int) -> None:
         engine.orphan([request])
 
 
-def _why(e: OSError) -> str:
+def why(e: OSError) -> str:
+    """What a failed copy from a peer's memory means"""
     if e.errno == errno.ESRCH:
         return "the peer process died"
     if e.errno in (errno.EPERM, errno.ENOSYS):

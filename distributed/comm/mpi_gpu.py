@@ -14,6 +14,10 @@ device frame one of two ways:
   CUDA stream of its own, so that the copy of one piece overlaps the transfer
   of the piece before.  Slots are allocated once per process and reused.
 
+Between two processes of one host, a device frame that the writer can export
+(CUDA IPC) takes neither: the reader maps the writer's allocation and copies
+device to device (``mpi_routes.DeviceIPC``); see :class:`Mapping`.
+
 A process without a GPU (or without CuPy) says so in the handshake and is sent
 host frames: what ``tcp://`` would send it.
 
@@ -34,7 +38,9 @@ import collections
 import ctypes
 import functools
 import importlib.util
+import itertools
 import math
+import struct
 from collections.abc import Callable
 from typing import Protocol
 
@@ -59,7 +65,7 @@ def nbytes(frame) -> int:
     return math.prod(cai["shape"]) * int(cai["typestr"][2:])
 
 
-def _pointer(frame) -> int:
+def pointer(frame) -> int:
     return frame.__cuda_array_interface__["data"][0]
 
 
@@ -70,7 +76,7 @@ class DeviceSlice:
     def __init__(self, frame, offset: int, size: int):
         self.owner = frame  # kept alive while MPI uses the slice
         self.__cuda_array_interface__ = {
-            "data": (_pointer(frame) + offset, False),
+            "data": (pointer(frame) + offset, False),
             "shape": (size,),
             "typestr": "|u1",
             "strides": None,
@@ -97,6 +103,27 @@ class Device(Protocol):
 
     def synchronize(self, frames) -> None:
         """Wait for the GPU work that writes ``frames``, or allocated them"""
+
+    def export(self, frame) -> tuple[bytes, int, int] | None:
+        """The IPC handle of the allocation that holds a device frame, the
+        allocation's address and the frame's offset in it; None if it cannot
+        be exported (memory of a stream-ordered pool)"""
+
+    def open(self, handle: bytes, writer) -> Mapping:
+        """Map an allocation of the process ``writer`` (a ``LocalPeer``) by
+        its IPC handle"""
+
+
+class Mapping(Protocol):
+    """Another process's allocation, mapped into this one's"""
+
+    def copy_to(self, dst: int, offset: int, size: int, stream):
+        """Start copying ``size`` bytes at ``offset`` of the allocation to
+        device memory at ``dst``, on ``stream``: an event, ``done`` once
+        copied (raising OSError if the writer died)"""
+
+    def close(self) -> None:
+        """Unmap it"""
 
 
 def device() -> Device | None:
@@ -170,6 +197,46 @@ class CuPyDevice:
             if stream not in (None, 0, 1, 2):  # a stream of its own
                 runtime.streamSynchronize(stream)
 
+    def export(self, frame):
+        # A handle is for a whole cudaMalloc allocation, of which CuPy's and
+        # RMM's pools hand out pieces: the base's handle, and an offset
+        try:
+            from cuda.bindings import driver
+        except ImportError:  # cuda-python: needed for the allocation's base
+            return None
+        address = pointer(frame)
+        error, base, _ = driver.cuMemGetAddressRange(address)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            return None
+        base = int(base)
+        try:  # fails for stream-ordered pools (cudaMallocAsync)
+            handle = self._cupy.cuda.runtime.ipcGetMemHandle(base)
+        except self._cupy.cuda.runtime.CUDARuntimeError:
+            return None
+        return bytes(handle), base, address - base
+
+    def open(self, handle, writer):
+        return _CuPyMapping(self._cupy, handle)
+
+
+class _CuPyMapping:
+    def __init__(self, cupy, handle: bytes):
+        self._cupy = cupy
+        runtime = cupy.cuda.runtime
+        flags = runtime.cudaIpcMemLazyEnablePeerAccess
+        self._base = runtime.ipcOpenMemHandle(handle, flags)
+
+    def copy_to(self, dst, offset, size, stream):
+        runtime = self._cupy.cuda.runtime
+        kind = runtime.memcpyDeviceToDevice
+        runtime.memcpyAsync(dst, self._base + offset, size, kind, stream.ptr)
+        done = self._cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        return done
+
+    def close(self):
+        self._cupy.cuda.runtime.ipcCloseMemHandle(self._base)
+
 
 class HostDevice:
     """Host memory that passes for GPU memory, for tests: its buffers expose
@@ -179,6 +246,8 @@ class HostDevice:
 
     def __init__(self):
         self.copies = 0  # started so far
+        self.opened = 0  # IPC handles opened so far
+        self.mapped: dict[tuple[int, int], int] = {}  # (pid, base): buffer id
 
     def buffer(self, size: int):
         return HostBuffer(size)
@@ -193,20 +262,40 @@ class HostDevice:
 
     def copy(self, dst: int, src: int, size: int, to_device: bool, stream):
         self.copies += 1
-        return _HostCopy(dst, src, size, polls=self.copies % 4)
+        copy = functools.partial(ctypes.memmove, dst, src, size)
+        return _HostCopy(copy, polls=self.copies % 4)
 
     def synchronize(self, frames) -> None:
         pass  # nothing runs behind the host's back but copies, awaited each
 
+    def export(self, frame):
+        base = frame.array.ctypes.data
+        return _HOST_HANDLE.pack(base, frame.nbytes, frame.id), base, 0
+
+    def open(self, handle, writer):
+        """As CUDA does: a handle of an allocation whose address this process
+        still maps for another is "already mapped" """
+        base, nbytes, id = _HOST_HANDLE.unpack(handle)
+        key = (writer.pid, base)
+        if key in self.mapped:
+            raise RuntimeError(f"already mapped: {base:#x} of process {writer.pid}")
+        self.opened += 1
+        self.mapped[key] = id
+        return _HostMapping(self, writer, key, nbytes)
+
 
 class HostBuffer:
-    """A device frame of :class:`HostDevice`"""
+    """A device frame of :class:`HostDevice`.  Freed, it is overwritten first,
+    so that a reader copying it after the writer let it go gets other bytes"""
+
+    _ids = itertools.count(1)
 
     def __init__(self, size: int):
         import numpy
 
         self.array = numpy.empty(size, "u1")
         self.nbytes = size
+        self.id = next(self._ids)  # tells a reallocated address from the old
         self.__cuda_array_interface__ = {
             "data": (self.array.ctypes.data, False),
             "shape": (size,),
@@ -220,13 +309,38 @@ class HostBuffer:
         # A test must see a frame that travels other than as a device frame
         raise TypeError("a HostDevice frame travels as a device frame only")
 
+    def __del__(self):
+        self.array.fill(0xDB)
+
+
+_HOST_HANDLE = struct.Struct("<QQQ")  # a HostBuffer's address, size and id
+
+
+class _HostMapping:
+    """A HostBuffer of another process on this host, copied from with
+    ``process_vm_readv``, as late as a HostDevice copy is made"""
+
+    def __init__(self, device: HostDevice, writer, key: tuple[int, int], nbytes: int):
+        self._device, self._writer, self._key = device, writer, key
+        self._nbytes = nbytes
+
+    def copy_to(self, dst, offset, size, stream):
+        if offset + size > self._nbytes:
+            raise ValueError("a copy beyond the allocation")
+        self._device.copies += 1
+        read = functools.partial(self._writer.read, self._key[1] + offset, dst, size)
+        return _HostCopy(read, polls=self._device.copies % 4)
+
+    def close(self):
+        self._device.mapped.pop(self._key, None)
+
 
 class _HostCopy:
-    """A copy of :class:`HostDevice`, made once ``done`` was asked ``polls``
-    times more"""
+    """A copy of :class:`HostDevice`, ``copy()``, made once ``done`` was asked
+    ``polls`` times more"""
 
-    def __init__(self, dst: int, src: int, size: int, polls: int):
-        self._copy: tuple | None = (dst, src, size)
+    def __init__(self, copy: Callable[[], object], polls: int):
+        self._copy: Callable | None = copy
         self._polls = polls
 
     @property
@@ -235,8 +349,8 @@ class _HostCopy:
             self._polls -= 1
             return False
         if self._copy:
-            ctypes.memmove(*self._copy)
-            self._copy = None
+            copy, self._copy = self._copy, None
+            copy()
         return True
 
 
@@ -276,7 +390,20 @@ def _query_cuda_support(MPI) -> tuple[bool, str]:
 
 def hello(MPI) -> dict | None:
     """What this process says of its GPU in the handshake: None without one"""
-    return {"cuda_aware": cuda_aware(MPI)[0]} if has_gpu() else None
+    if not has_gpu():
+        return None
+    return {"cuda_aware": cuda_aware(MPI)[0], "ipc": bool(config("device-ipc"))}
+
+
+async def wait(events: list) -> None:
+    """Return once every event is ``done``: a copy takes tens of
+    microseconds, so poll, letting the progress engine test the transfers
+    in flight meanwhile"""
+    polls = 0
+    for event in events:
+        while not event.done:
+            await asyncio.sleep(0 if polls < 1000 else 1e-4)
+            polls += 1
 
 
 def path(mine: dict | None, theirs: dict | None) -> str | None:
@@ -329,18 +456,18 @@ class _Stager:
 
     async def copy(self, dst: int, src: int, size: int, to_device: bool) -> None:
         """Copy on the stager's stream; return once it is done"""
-        done = self.device.copy(dst, src, size, to_device, self.stream)
-        # A chunk copies in tens of microseconds: poll, and let the progress
-        # engine test the transfers in flight meanwhile
-        polls = 0
-        while not done.done:
-            await asyncio.sleep(0 if polls < 1000 else 1e-4)
-            polls += 1
+        await wait([self.device.copy(dst, src, size, to_device, self.stream)])
 
 
 @functools.cache
 def _stager(device: Device) -> _Stager:
     return _Stager(device)
+
+
+@functools.cache
+def copy_stream(device: Device):
+    """The stream of the copies from other processes' allocations"""
+    return device.stream()
 
 
 async def send_staged(
@@ -354,7 +481,7 @@ async def send_staged(
         return []
     stager = _stager(device())
     slots = stager.take(chunk_size)
-    source = _pointer(frame)
+    source = pointer(frame)
     sent: list[asyncio.Future] = []
     for i, (offset, size) in enumerate(chunks):
         slot = slots[i % DEPTH]
@@ -383,7 +510,7 @@ async def recv_staged(
         return
     stager = _stager(device())
     slots = stager.take(chunk_size)
-    target = _pointer(frame)
+    target = pointer(frame)
     posted = collections.deque(
         post(slots[i][:size]) for i, (_, size) in enumerate(chunks[:DEPTH])
     )

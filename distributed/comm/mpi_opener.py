@@ -199,7 +199,12 @@ class Opener:
         try:
             # Each end says whether it can copy from the other's memory
             await handshake.send(
-                stream, {"opened": error is None, "copies": policy.copies_from(peer)}
+                stream,
+                {
+                    "opened": error is None,
+                    "copies": policy.copies_from(peer),
+                    "ipc": policy.ipc_from(peer),
+                },
             )
             reply = await handshake.recv(stream)
         except BaseException:
@@ -208,6 +213,7 @@ class Opener:
             raise
         if error is None and reply.get("opened") is True:
             channel.peer_copies = reply.get("copies") is True
+            channel.peer_ipc = reply.get("ipc") is True
             self.channels.hold(channel, stream)
             self.channels.publish(channel)  # comms may write over it now
             return channel

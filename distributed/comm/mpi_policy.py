@@ -8,7 +8,8 @@ handshake describes (``mpi_handshake.Peer``) and of this process:
   so, nor between hosts without an RDMA network (``across-hosts``);
 - which way device frames travel between them (:func:`gpu_path`);
 - whether this process copies their host frames straight from the peer's
-  memory (:func:`copies_from`).
+  memory (:func:`copies_from`), and their device frames from the peer's GPU
+  memory (:func:`ipc_from`).
 
 What the two processes learnt of each other (a channel that failed, MPICH's
 table of jobs) is the channel registry's, which asks these rules first.
@@ -163,6 +164,21 @@ def copies_from(peer: Peer) -> bool:
         return False
     local = LocalPeer.find(peer)
     return local is not None and local.readable()
+
+
+def ipc_from(peer: Peer) -> bool:
+    """Whether this process will copy the device frames that ``peer`` writes
+    to it from the peer's GPU memory (``device-ipc``, CUDA IPC): both have a
+    GPU and say they may, on this host and in one PID namespace (legacy IPC
+    handles do not cross them).  The host backend copies with
+    ``process_vm_readv``: the kernel must let it read the peer's memory."""
+    mine = mpi_gpu.hello(mpi_startup.get_mpi())
+    if not (mine and mine["ipc"] and peer.gpu and peer.gpu.get("ipc") is True):
+        return False
+    local = LocalPeer.find(peer)
+    if local is None:
+        return False
+    return mpi_startup.config("device-backend") != "host" or local.readable()
 
 
 @functools.cache

@@ -9,6 +9,8 @@ head, so that the reader takes it too:
   non-blocking sends and receives;
 - :class:`LocalCopy`: host memory that the reader copies straight from the
   writer's memory, between processes of one host (``mpi_copy``);
+- :class:`DeviceIPC`: device memory that the reader copies from the writer's
+  GPU memory, mapped by CUDA IPC, between processes of one host;
 - :class:`Direct`: device memory, handed to a CUDA-aware MPI as it is;
 - :class:`Staged`: device memory, through pinned host memory (``mpi_gpu``).
 
@@ -23,9 +25,12 @@ slots free up), whose sends follow the head.
 from __future__ import annotations
 
 import asyncio
+import collections
+import struct
 from typing import ClassVar
 
 from distributed.comm import mpi_copy, mpi_gpu
+from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_buffers import host_buffer
 
 
@@ -43,6 +48,7 @@ class Message:
         self.post = transfers.poster(channel, tag, receive)
         # Of its copied frames: the writer's Lease; the reader's head of it
         self.lease = None
+        self.extra = bytearray()  # what routes say beyond a word
 
 
 class Route:
@@ -77,6 +83,9 @@ class Route:
         frames, and what to await until they are filled"""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """The channel is freed"""
+
     def __repr__(self):
         return f"<{type(self).__name__} to {self.channel.peer}>"
 
@@ -109,7 +118,9 @@ class LocalCopy(Route):
         return self.channel.peer_copies and not mpi_gpu.is_device(frame)
 
     def refusal(self):
-        return "frames to copy from another host" if self.channel.sender is None else None
+        return (
+            "frames to copy from another host" if self.channel.sender is None else None
+        )
 
     def describe(self, frames, msg):
         msg.lease = mpi_copy.Lease(frames)
@@ -124,6 +135,97 @@ class LocalCopy(Route):
         copied = await mpi_copy.receive(self.channel, frames, msg.lease)
         mpi_copy.acknowledge(msg.transfers.engine, self.channel, msg.tag)
         return copied, []
+
+
+class DeviceIPC(Route):
+    """Device memory that the reader copies from the writer's allocation,
+    which it maps by the allocation's IPC handle (``mpi_gpu.Mapping``); the
+    writer keeps the frames until the reader says it has them.  Opening a
+    mapping costs far more than a copy: the reader keeps its mappings of the
+    writer's allocations, the last :data:`MAPPINGS`, until the channel is
+    freed, and closes one whose address the writer reallocated (a new handle
+    for an address still mapped fails: "already mapped")."""
+
+    code = 5
+    MAPPINGS = 64
+    # Before each handle in a head's extra bytes: its length, the address of
+    # the writer's allocation, and the frame's offset in it
+    _RECORD = struct.Struct("<HQQ")
+
+    def __init__(self, channel):
+        super().__init__(channel)
+        # By the writer's address: its allocation's handle, and the mapping
+        self._mappings: collections.OrderedDict = collections.OrderedDict()
+        self._exports: dict[int, tuple] = {}  # picked frames, until described
+
+    def takes(self, frame) -> bool:
+        if not (self.channel.peer_ipc and mpi_gpu.is_device(frame)):
+            return False
+        exported = mpi_gpu.device().export(frame)
+        if exported is None:  # from a stream-ordered pool, say
+            return False
+        self._exports[id(frame)] = exported
+        return True
+
+    def refusal(self):
+        if self.channel.sender is None:
+            return "device frames to copy from another host"
+        return None
+
+    def describe(self, frames, msg):
+        words = []
+        for frame in frames:
+            handle, base, offset = self._exports.pop(id(frame))
+            words.append(len(msg.extra))
+            msg.extra += self._RECORD.pack(len(handle), base, offset) + handle
+        return words
+
+    async def send(self, frames, msg):
+        mpi_gpu.synchronize(frames)  # their producers are done
+        lease = mpi_copy.Lease(frames)
+        transfers = msg.transfers
+        transfers.track(mpi_copy.lend(transfers.engine, self.channel, msg.tag, lease))
+
+    async def receive(self, frames, msg):
+        device = mpi_gpu.device()
+        received = [device.buffer(size) for size, _ in frames]
+        mpi_gpu.synchronize()  # the allocations, before anything writes
+        stream = mpi_gpu.copy_stream(device)
+        try:
+            copies = []
+            for frame, (size, word) in zip(received, frames):
+                n, base, offset = self._RECORD.unpack_from(msg.extra, word)
+                start = word + self._RECORD.size
+                mapping = self._map(bytes(msg.extra[start : start + n]), base)
+                if size:
+                    dst = mpi_gpu.pointer(frame)
+                    copies.append(mapping.copy_to(dst, offset, size, stream))
+            await mpi_gpu.wait(copies)
+        except OSError as e:
+            self.close()  # the writer died: its allocations are gone
+            raise CommClosedError(
+                f"cannot copy device frames from the writer: {mpi_copy.why(e)}"
+            ) from e
+        mpi_copy.acknowledge(msg.transfers.engine, self.channel, msg.tag)
+        return received, []
+
+    def _map(self, handle: bytes, base: int):
+        cached = self._mappings.get(base)
+        if cached is not None and cached[0] == handle:
+            self._mappings.move_to_end(base)
+            return cached[1]
+        if cached is not None:  # freed by the writer, and reallocated
+            self._mappings.pop(base)[1].close()
+        elif len(self._mappings) >= self.MAPPINGS:
+            self._mappings.popitem(last=False)[1][1].close()
+        mapping = mpi_gpu.device().open(handle, self.channel.sender)
+        self._mappings[base] = handle, mapping
+        return mapping
+
+    def close(self):
+        while self._mappings:
+            _, (_, mapping) = self._mappings.popitem()
+            mapping.close()
 
 
 class Direct(OverMPI):
@@ -170,8 +272,9 @@ class Staged(Route):
         return received, []
 
 
-# The order in which a message's frames are posted, at both ends
-ORDER = (OverMPI, Direct, Staged, LocalCopy)
+# The order in which a message's frames are posted, at both ends (the writer
+# posts a receive of the reader's "copied" for each of the last two)
+ORDER = (OverMPI, Direct, Staged, DeviceIPC, LocalCopy)
 _DEVICE = {Direct.code, Staged.code}
 
 
@@ -181,6 +284,8 @@ class Routes:
 
     def __init__(self, channel):
         device = {"direct": [Direct], "staged": [Staged]}.get(channel.gpu, [])
+        if device:
+            device.insert(0, DeviceIPC)
         self._preference = [cls(channel) for cls in (LocalCopy, OverMPI, *device)]
         self._by_code = {route.code: route for route in self._preference}
 
@@ -204,6 +309,11 @@ class Routes:
         if why:
             raise ValueError(why)
         return route
+
+    def close(self) -> None:
+        """The channel is freed"""
+        for route in self._preference:
+            route.close()
 
 
 def chunks(frame, size: int) -> list:

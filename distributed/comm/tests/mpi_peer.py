@@ -14,7 +14,9 @@ back.
 ``{"op": "write-and-abort", "size": n}`` makes it write n bytes and abort the
 comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
 normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
-MPI transfers are not complete.  ``{"op": "drop", ...}`` gets no answer.
+MPI transfers are not complete; ``{"op": "mappings"}`` how many IPC handles
+its device opened, and how many it maps now.  ``{"op": "drop", ...}`` gets no
+answer.
 ``{"op": "cross", "address": A, "size": n}`` makes it connect to the mpi://
 listener at A and write n bytes there, at once; ``{"op": "channel"}`` asks
 for the id of its open channel to the asking process (None: none).
@@ -149,6 +151,9 @@ async def handle(comm):
                 msg = {"channel": channel and channel.id}
             elif isinstance(msg, dict) and msg.get("op") == "pending":
                 msg = {"pending": ProgressEngine.current().pending()}
+            elif isinstance(msg, dict) and msg.get("op") == "mappings":
+                device = mpi_gpu.device()
+                msg = {"opened": device.opened, "mapped": len(device.mapped)}
             elif isinstance(msg, dict) and msg.get("op") == "device":
                 msg = {
                     "digests": [

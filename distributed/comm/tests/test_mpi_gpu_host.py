@@ -1,8 +1,11 @@
 """The GPU path of mpi:// without a GPU: device frames in host memory
 (``distributed.comm.mpi.device-backend: host``, see ``mpi_gpu.HostDevice``)
 between this process and an mpi_peer process under mpiexec, staged through
-pinned slots or direct to MPI (``cuda-aware: true``, which holds for host
-memory with any MPI).  Chunks are small, so that small frames take several
+pinned slots, direct to MPI (``cuda-aware: true``, which holds for host
+memory with any MPI), or copied by the reader from the writer's memory as
+CUDA IPC would (``device-ipc``: the host device maps the writer's buffers,
+copies with ``process_vm_readv``, as late as a GPU might, and overwrites a
+buffer it frees).  Chunks are small, so that small frames take several
 chunks and reuse the slots, yet larger than MPICH sends eagerly (copied at
 once): a slot reused before its send completed shows (at 4 KiB, only under
 load)."""
@@ -24,6 +27,7 @@ import dask
 
 from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu
 from distributed.comm.mpi_channel import channels
+from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_peer import OnDevice
 from distributed.comm.tests.mpi_processes import OUTPUT, Job, mpiexec, wait_for_file
 from distributed.protocol import to_serialize
@@ -38,19 +42,21 @@ PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 class Peer(NamedTuple):
     address: str
     job: Job
+    route: str  # how device frames travel between the two: staged, direct, ipc
     gpu_path: str
     config: dict  # for this process (gen_test resets dask's config)
 
 
-@pytest.fixture(params=["staged", "direct"])
-def peer(request, monkeypatch, tmp_path):
+@contextlib.contextmanager
+def serving(route: str, monkeypatch, tmp_path):
     """An echoing mpi_peer under mpiexec; both ends on host "GPUs", with
-    small chunks"""
+    small chunks, device frames taking ``route``"""
     config = {
         "device-backend": "host",
         "chunk-size": CHUNK,
         "inline-size": 1024,  # whatever the default, larger frames go over MPI
-        "cuda-aware": request.param == "direct",
+        "cuda-aware": route == "direct",
+        "device-ipc": route == "ipc",
     }
     for key, value in config.items():
         name = "DASK_DISTRIBUTED__COMM__MPI__" + key.upper().replace("-", "_")
@@ -60,9 +66,22 @@ def peer(request, monkeypatch, tmp_path):
         yield Peer(
             wait_for_file(path, job),
             job,
-            request.param,
+            route,
+            "direct" if route == "direct" else "staged",
             {f"distributed.comm.mpi.{k}": v for k, v in config.items()},
         )
+
+
+@pytest.fixture(params=["staged", "direct", "ipc"])
+def peer(request, monkeypatch, tmp_path):
+    with serving(request.param, monkeypatch, tmp_path) as peer:
+        yield peer
+
+
+@pytest.fixture
+def ipc_peer(monkeypatch, tmp_path):
+    with serving("ipc", monkeypatch, tmp_path) as peer:
+        yield peer
 
 
 def check(reply: dict, x: list, make: list) -> None:
@@ -217,7 +236,7 @@ async def test_comm_closed_mid_frame_by_the_reader(peer):
             with pytest.raises(CommClosedError):
                 await asyncio.wait_for(comm.read(), 20)
         assert comm.closed()
-        if peer.gpu_path == "direct":
+        if peer.route != "staged":
             await poll_for_the_peers_sends_to_complete(peer.address)
         await assert_serves(peer.address)
 
@@ -243,7 +262,7 @@ async def test_comm_closed_mid_frame_by_the_writer(peer):
         # Unanswered: an answer over MPI to the closed comm would stay queued
         msg = {"op": "drop", "x": to_serialize([OnDevice.random(LARGE, 0)])}
         comm = await connect_over_mpi(peer.address)
-        if peer.gpu_path == "staged":  # once the third chunk is being copied
+        if peer.route == "staged":  # once the third chunk is being copied
             closing = []
 
             def close():
@@ -295,3 +314,118 @@ def test_no_ucx_error_at_exit_after_the_peer_died_mid_frame(peer, tmp_path):
         out, _ = job.communicate(timeout=60)
     assert job.returncode == 0, out
     assert "UCX" not in out, out
+
+
+# Copied from the writer's memory (device-ipc)
+
+
+def mapped_of(comm) -> list:
+    """What this process's device maps of the peer of ``comm``"""
+    return [key for key in mpi_gpu.device().mapped if key[0] == comm.peer.pid]
+
+
+async def mappings(address) -> dict:
+    """The peer's device: how many IPC handles it opened, and maps now"""
+    comm = await connect(address)
+    await comm.write({"op": "mappings"})
+    reply = await comm.read()
+    await comm.close()
+    return reply
+
+
+@contextlib.contextmanager
+def no_staging():
+    """Fail on a copy through pinned slots in this process"""
+
+    def copy(*args, **kwargs):
+        raise AssertionError("a device frame was staged, not copied by IPC")
+
+    with on_call("copy", 1, copy):
+        yield
+
+
+@gen_test(timeout=60)
+async def test_ipc_maps_an_allocation_once(ipc_peer):
+    """The reader keeps its mapping of an allocation for the next frames in
+    it: opening one costs far more than a copy"""
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        before = await mappings(ipc_peer.address)
+        x = OnDevice.random(3 * CHUNK + 5, 1)
+        for _ in range(5):
+            await exchange(comm, [x], [(CHUNK + 1, 2)])
+        after = await mappings(ipc_peer.address)
+        assert after["opened"] == before["opened"] + 1, (before, after)
+        assert after["mapped"] == before["mapped"] + 1, (before, after)
+        await comm.close()
+
+
+@gen_test(timeout=90)
+async def test_ipc_maps_a_reallocated_address_afresh(ipc_peer):
+    """A frame freed by the writer and another allocated at its address: the
+    reader drops its mapping of the old one (CUDA: "already mapped")"""
+    size = 5 * CHUNK
+    seen: set[int] = set()
+    reused = False
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        for i in range(30):
+            x = OnDevice.random(size, i)
+            reused |= x.frame.array.ctypes.data in seen
+            seen.add(x.frame.array.ctypes.data)
+            await exchange(comm, [x], [])
+            del x
+        await comm.close()
+    assert reused, "no address was reused: the test did not test"
+
+
+@gen_test(timeout=60)
+async def test_ipc_mappings_close_when_the_peer_goes(ipc_peer, monkeypatch):
+    """The peer's frames mapped here, it is killed: once the channel is
+    freed, this process maps nothing of it"""
+    monkeypatch.setattr(mpi_channel, "FREE_AFTER", 0.5)
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        await exchange(comm, [], [(3 * CHUNK, 1), (CHUNK + 1, 2)])
+        assert mapped_of(comm)
+        ipc_peer.job.crash()
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 20)
+        await async_poll_for(lambda: not mapped_of(comm), timeout=30)
+
+
+@gen_test(timeout=60)
+async def test_writer_killed_while_its_frame_is_copied_by_ipc(ipc_peer):
+    """The copy fails (the writer's memory is gone), the comm closes, and
+    nothing stays mapped of the dead writer"""
+
+    def kill():
+        ipc_peer.job.crash()
+        psutil.wait_procs(ipc_peer.job.ranks(), timeout=10)
+
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        await comm.write({"op": "device", "x": [], "make": [(LARGE, 0)]})
+        # Once the frame's head arrived and the buffer to copy into exists
+        with on_call("buffer", 1, kill):
+            with pytest.raises(CommClosedError, match="peer process died"):
+                await asyncio.wait_for(comm.read(), 20)
+        assert comm.closed()
+        assert not mapped_of(comm)
+
+
+@gen_test(timeout=60)
+async def test_reader_killed_while_it_maps_the_writers_frames(ipc_peer):
+    """This process writes device frames that the peer maps; the peer is
+    killed: the frames are given up, and nothing here waits for it"""
+    with dask.config.set(ipc_peer.config):
+        comm = await connect_over_mpi(ipc_peer.address)
+        await exchange(comm, [OnDevice.random(3 * CHUNK, 1)], [])
+        assert (await mappings(ipc_peer.address))["mapped"]
+        # Unanswered, so that the peer holds its mapping when it is killed
+        await comm.write({"op": "drop", "x": to_serialize([OnDevice.random(LARGE, 2)])})
+        ipc_peer.job.crash()
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 20)
+        engine = ProgressEngine.current()
+        await async_poll_for(lambda: engine.pending() == 0, timeout=30)
