@@ -1,23 +1,29 @@
-"""GPU benchmarks: CuPy payloads over tcp:// and mpi:// (staged, and direct
-where the MPI library is CUDA-aware), on a machine with a GPU.
+"""GPU benchmarks: CuPy payloads over tcp://, every route of mpi:// the
+machine allows, and ucx:// (where distributed-ucxx is installed), in one run,
+on a machine with a GPU.
 
     python benchmarks/gpu.py [--quick] [--out benchmarks/results]
     python benchmarks/gpu.py --plot gpu.json
 
 - ping-pong: a CuPy array of 1 B to 1 GiB, echoed as device frames by a server
   process (``deserialize=False``), timed through distributed's comm API;
-- apps: transpose-sum and dot of dask arrays of CuPy chunks, on a scheduler
-  and two workers in processes of their own (as ``benchmarks/apps.py``).
+- apps: dask arrays of CuPy chunks on a scheduler and four workers sharing the
+  GPU, each a process of its own (as ``benchmarks/apps.py``): transpose-sum,
+  ``(a @ a.T).sum()``, a rechunk by tasks, and 8 arrays of 256 MiB made on the
+  workers and summed on one.
 
-"mpi:// direct" is measured only when ``python -m distributed.comm.mpi_probe``
-says MPI is CUDA-aware; otherwise the JSON says why not. Writes
-``gpu.json`` and ``gpu.png``.
+The routes of mpi://: "ipc" (the default between processes of one host: the
+reader copies from the writer's GPU memory), "staged" (``device-ipc`` off;
+through pinned host memory), "direct" (``device-ipc`` off, MPI taken as
+CUDA-aware; measured only where ``python -m distributed.comm.mpi_probe`` says
+it is, or with ``--direct``).  Writes ``gpu.json`` and ``gpu.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -85,10 +91,42 @@ def dot(n: int, chunk: int):
     return a.dot(b).sum()
 
 
+def rechunk(n: int, pieces: int):
+    import cupy
+    import dask.array as da
+
+    rs = da.random.RandomState(RandomState=cupy.random.RandomState)
+    x = rs.random((n, n), chunks=(n, n // pieces))
+    return x.rechunk((n // pieces, n), method="tasks").sum()
+
+
+def gather(arrays: int, mib: int):
+    """``arrays`` arrays of ``mib`` MiB, made on the workers, summed on one"""
+    import cupy
+    import dask
+
+    @dask.delayed(pure=False)
+    def make(i):
+        return cupy.full(mib * 2**20 // 8, i, dtype="f8")
+
+    @dask.delayed
+    def total(parts):
+        return float(sum(float(part.sum()) for part in parts))
+
+    return total([make(i) for i in range(arrays)])
+
+
+WORKERS = 4
+
+
 def suite(quick: bool) -> dict:
-    if quick:
-        return {"transpose_sum": (transpose_sum, 10000, 2500), "dot": (dot, 4000, 1000)}
-    return {"transpose_sum": (transpose_sum, 20000, 2500), "dot": (dot, 8000, 2000)}
+    n = 8000 if quick else 16000
+    return {
+        "transpose_sum": (transpose_sum, n, n // 8),
+        "dot": (dot, n // 2, n // 8),
+        "rechunk": (rechunk, n, 16),
+        "gather": (gather, 8, 64 if quick else 256),
+    }
 
 
 def cuda_aware() -> tuple[bool, str]:
@@ -104,14 +142,22 @@ def cuda_aware() -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def direct():
-    """mpi:// told that MPI is CUDA-aware, in every process started meanwhile"""
-    key = "DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE"
-    os.environ[key] = "true"
+def environment(**settings):
+    """``settings`` in the environment of every process started meanwhile"""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        del os.environ[key]
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+MPI_SETTING = "DASK_DISTRIBUTED__COMM__MPI__"
+NO_IPC = {MPI_SETTING + "DEVICE_IPC": "False"}
 
 
 def plot(results: dict, out: str) -> None:
@@ -181,18 +227,24 @@ def main() -> None:
         "pingpong": {},
         "apps": {},
     }
-    variants = [("tcp://", "tcp", contextlib.nullcontext)]
-    variants.append(("mpi:// staged", "mpi", contextlib.nullcontext))
+    variants = [("tcp://", "tcp", {}), ("mpi:// ipc", "mpi", {})]
+    variants.append(("mpi:// staged", "mpi", {**NO_IPC}))
     if aware or args.direct:
-        variants.append(("mpi:// direct", "mpi", direct))
-    for name, protocol, setting in variants:
+        variants.append(
+            ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
+        )
+    if importlib.util.find_spec("distributed_ucxx"):
+        # As dask-cuda does, so that UCX sees the GPU
+        ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": "True"}
+        variants.append(("ucx://", "ucx", ucx))
+    for name, protocol, settings in variants:
         print(name, file=sys.stderr)
-        with setting():
+        with environment(**settings):
             results["pingpong"][name] = pingpong.run_protocol(
                 protocol, args.quick, client_script=HERE
             )
             results["apps"][name] = apps.run_protocol(
-                protocol, 2, args.quick, repeat, suite(args.quick)
+                protocol, WORKERS, args.quick, repeat, suite(args.quick)
             )
     with open(os.path.join(args.out, "gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -203,14 +255,20 @@ def main() -> None:
 def summarize(results: dict) -> None:
     p = results["pingpong"]
     names = list(p)
-    print("size".rjust(12), *(n.rjust(16) for n in names), "staged/tcp".rjust(11))
+    base = "ucx://" if "ucx://" in p else "tcp://"
+    print("size".rjust(12), *(n.rjust(16) for n in names), f"ipc/{base}".rjust(11))
     for key in (k for k in p["tcp://"] if k.isdigit()):
         cells = [f"{p[n][key] * 1e6:14.1f}us" for n in names]
-        ratio = p["mpi:// staged"][key] / p["tcp://"][key]
+        ratio = p["mpi:// ipc"][key] / p[base][key]
         print(key.rjust(12), *cells, f"{ratio:11.2f}")
     for bench in results["apps"]["tcp://"]:
         walls = {n: results["apps"][n][bench]["wall_time"] for n in results["apps"]}
-        print(f"{bench:15s}", *(f"{n} {w:.2f}s" for n, w in walls.items()))
+        ratio = walls["mpi:// ipc"] / walls[base]
+        print(
+            f"{bench:15s}",
+            *(f"{n} {w:.3f}s" for n, w in walls.items()),
+            f"ipc/{base} {ratio:.2f}",
+        )
     print("CUDA-aware MPI:", results["cuda_aware"])
 
 

@@ -182,7 +182,10 @@ def soak_lines(soak: dict) -> list[str]:
         rows.append(
             [
                 f"RSS growth per cycle, {role.replace('_', ' ')}",
-                *(f"{x[role]['rss_growth_per_cycle'] / 1024:+.1f} KiB" for x in summaries),
+                *(
+                    f"{x[role]['rss_growth_per_cycle'] / 1024:+.1f} KiB"
+                    for x in summaries
+                ),
             ]
         )
         rows.append(
@@ -191,7 +194,9 @@ def soak_lines(soak: dict) -> list[str]:
                 *("{} / {}".format(*x[role]["fds"]) for x in summaries),
             ]
         )
-    rows.append(["mpich_shm files left", *(str(x["shm_files_left"]) for x in summaries)])
+    rows.append(
+        ["mpich_shm files left", *(str(x["shm_files_left"]) for x in summaries)]
+    )
     return [
         f"{s['cycles']} cycles of a worker joining, sending "
         f"{s['transfer'] // 2**20} MiB to a steady worker and leaving ("
@@ -311,9 +316,11 @@ def page() -> str:
             f"mpi4py {m['mpi4py']}.",
             "",
         ]
-    lines += heading("Targets") + from_markdown(
-        report.targets(pp, apps, idle, wl, pauses)
-    ) + [""]
+    lines += (
+        heading("Targets")
+        + from_markdown(report.targets(pp, apps, idle, wl, pauses))
+        + [""]
+    )
     if wl:
         lines += heading("Real workloads, wall time (median)")
         lines += from_markdown(report.workloads_lines(wl)) + [""] + figure("workloads")
@@ -346,7 +353,10 @@ def page() -> str:
     soak = load("soak")
     if soak:
         lines += heading("Soak") + soak_lines(soak) + [""] + figure("soak")
-    for name, title in [("gpu", "GPU"), ("gpu-direct", "GPU, CUDA-aware MPI (test rig)")]:
+    for name, title in [
+        ("gpu", "GPU"),
+        ("gpu-direct", "GPU, CUDA-aware MPI (test rig)"),
+    ]:
         gpu = load(name)
         if gpu:
             lines += heading(title) + gpu_lines(gpu) + [""] + figure(name)
@@ -363,13 +373,13 @@ def readme_table() -> list[str]:
         ratios = report.workload_ratios(wl)
         for mode in dict.fromkeys(mode for mode, _ in ratios):
             mine = [r for (m, _), r in ratios.items() if m == mode]
-            rows.append(
-                [f"real workloads, {mode}", f"{min(mine):.2f}-{max(mine):.2f}"]
-            )
+            rows.append([f"real workloads, {mode}", f"{min(mine):.2f}-{max(mine):.2f}"])
     if pauses:
         for key, who in [("round_trip", "idle"), ("round_trip_busy", "busy")]:
             r = report.pause_ratios(pauses, key).values()
-            rows.append([f"round trips after pauses, {who}", f"{min(r):.2f}-{max(r):.2f}"])
+            rows.append(
+                [f"round trips after pauses, {who}", f"{min(r):.2f}-{max(r):.2f}"]
+            )
     if pp:
         t = pp["transports"]
         small = [k for k in t["tcp://"] if k != "dict" and int(k) <= 1024]
@@ -385,7 +395,9 @@ def readme_table() -> list[str]:
         big = max((k for k in pp["tcp://"] if k != "gpu_path"), key=int)
         if staged:
             r = pp[staged][big] / pp["tcp://"][big]
-            rows.append([f"GPU ping-pong, {_size(int(big))} ({gpu['gpu']})", f"{r:.2f}"])
+            rows.append(
+                [f"GPU ping-pong, {_size(int(big))} ({gpu['gpu']})", f"{r:.2f}"]
+            )
     return rst_table(rows)
 
 

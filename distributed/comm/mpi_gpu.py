@@ -199,24 +199,26 @@ class CuPyDevice:
 
     def export(self, frame):
         # A handle is for a whole cudaMalloc allocation, of which CuPy's and
-        # RMM's pools hand out pieces: the base's handle, and an offset
-        try:
-            from cuda.bindings import driver
-        except ImportError:  # cuda-python: needed for the allocation's base
-            return None
+        # RMM's pools hand out pieces: the base's handle, and an offset.
+        # CuPy has no call for the base: the driver's, through ctypes
         address = pointer(frame)
-        error, base, _ = driver.cuMemGetAddressRange(address)
-        if error != driver.CUresult.CUDA_SUCCESS:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        find = _libcuda().cuMemGetAddressRange_v2
+        if find(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)):
             return None
-        base = int(base)
         try:  # fails for stream-ordered pools (cudaMallocAsync)
-            handle = self._cupy.cuda.runtime.ipcGetMemHandle(base)
+            handle = self._cupy.cuda.runtime.ipcGetMemHandle(base.value)
         except self._cupy.cuda.runtime.CUDARuntimeError:
             return None
-        return bytes(handle), base, address - base
+        return bytes(handle), base.value, address - base.value
 
     def open(self, handle, writer):
         return _CuPyMapping(self._cupy, handle)
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
 
 
 class _CuPyMapping:

@@ -195,6 +195,36 @@ async def test_cupy_arrays_between_two_processes(tmp_path):
 
 
 @gpu
+@pytest.mark.parametrize("ipc", [True, False])
+@gen_test(timeout=120)
+async def test_cupy_arrays_by_ipc_or_through_mpi(tmp_path, monkeypatch, ipc):
+    """Between processes of one host device frames are copied from the
+    writer's GPU memory (``device-ipc``), not staged or sent through MPI;
+    with it off, they are.  Frames of one pool allocation, and of several"""
+    import cupy
+
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__DEVICE_IPC", str(ipc))
+    staged = mpi_gpu._Stager.copy
+    calls = []
+
+    async def copy(self, *args, **kwargs):
+        calls.append(args)
+        return await staged(self, *args, **kwargs)
+
+    monkeypatch.setattr(mpi_gpu._Stager, "copy", copy)
+    with dask.config.set({"distributed.comm.mpi.device-ipc": ipc}):
+        async with comm_to_a_peer(tmp_path) as comm:
+            pool = cupy.arange(2**24, dtype="u1")  # pieces of one allocation
+            for x in [pool[: 2**20], pool[2**20 : 2**22], cupy.ones(2**22, "f8")]:
+                y = (await echoed(comm, [x, x + 1]))["x"]
+                assert bool((y[0] == x).all()) and bool((y[1] == x + 1).all())
+    if ipc or mpi_gpu.cuda_aware(await mpi_startup.mpi_ready())[0]:
+        assert not calls  # received by IPC (or direct): nothing staged
+    else:
+        assert calls
+
+
+@gpu
 @gen_test(timeout=120)
 async def test_numba_device_array_between_two_processes(tmp_path):
     numba_cuda = pytest.importorskip("numba.cuda")
