@@ -28,7 +28,13 @@ wheel, 4 MB of it), and ``run.sh direct`` puts it under MPICH
 (``cuda-aware: true``): MPICH hands device pointers to UCX, which moves them,
 between processes of different jobs (those of one job on one host would go
 through MPICH's own shared memory, which cannot).  A test rig, not a
-configuration for users.  On an H200 (2026-11-26) ``all`` took under three
+configuration for users.
+
+``bundle --ucxx`` adds ``ucx://`` (distributed-ucxx with UCX and RMM for CUDA
+13, about 27 MB once pruned, in ``ucxx/``, put on ``PYTHONPATH``), so that
+``benchmarks/gpu.py`` measures it beside mpi://, and dask-cuda (without its
+dependencies, which the machine has), for its test; numpy is left out, the
+machine has it.  On an H200 (2026-11-26) ``all`` took under three
 minutes: the set-up 20 s, the tests 15-40 s, the full benchmark
 (``GPU_BENCH_ARGS=" "``) 70 s.
 """
@@ -48,6 +54,9 @@ BUNDLE = ROOT / "build" / "gpu-bundle"
 PYTHON = "3.12"
 # Beside distributed's own dependencies (read from the built wheel)
 EXTRA = ["mpich", "mpi4py", "numpy", "pytest", "pytest-timeout"]
+# ucx:// for CUDA 13 (libucxx 0.52 wants UCX below 1.22), for bundle --ucxx
+UCXX = ["distributed-ucxx-cu13", "ucxx-cu13", "libucxx-cu13", "libucx-cu13<1.22"]
+UCXX += ["rmm-cu13", "librmm-cu13", "rapids-logger"]
 # What MPICH needs of UCX, for bundle --ucx-cuda
 UCX_LIBRARIES = {f"lib{n}.so.0" for n in ["ucp", "ucs", "uct", "ucm", "ucs_signal"]}
 UCX_MODULES = {"libuct_cuda.so.0", "libucm_cuda.so.0", "libuct_cma.so.0"}
@@ -74,6 +83,9 @@ if [ ! -e .venv/ready ]; then
     echo "$MACHINE_SITE" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine.pth"
     pip install -q --no-index --find-links wheels wheels/distributed-*.whl mpich \
         pytest pytest-timeout
+    if ls wheels/dask_cuda-*.whl >/dev/null 2>&1; then
+        pip install -q --no-index --no-deps wheels/dask_cuda-*.whl
+    fi
     python -c "import mpi4py; print('mpi4py', mpi4py.__version__, mpi4py.__file__)"
     if ! timeout 60 python -c "from mpi4py import MPI; print(MPI.Get_library_version())"; then
         echo "the machine's mpi4py does not start with MPICH: mpi4py from the wheels"
@@ -84,6 +96,9 @@ fi
 . .venv/bin/activate
 # The package under test is the bundle's copy (with its tests), not the wheel's
 export PYTHONPATH="$HERE"
+if [ -d "$HERE/ucxx" ]; then  # bundle --ucxx: ucx:// and RMM
+    export PYTHONPATH="$HERE:$HERE/ucxx" DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT=True
+fi
 which mpiexec
 status=0
 tests=(distributed/comm/tests/test_mpi_gpu.py)
@@ -109,7 +124,7 @@ exit $status
 """
 
 
-def bundle(ucx_cuda: bool = False) -> None:
+def bundle(ucx_cuda: bool = False, ucxx: bool = False) -> None:
     if BUNDLE.exists():
         shutil.rmtree(BUNDLE)
     wheels = BUNDLE / "wheels"
@@ -139,6 +154,10 @@ def bundle(ucx_cuda: bool = False) -> None:
         ],
         check=True,
     )
+    if ucxx:
+        for numpy in wheels.glob("numpy-*.whl"):  # the machine has it
+            numpy.unlink()
+        download(wheels, "dask-cuda")
     # The materialized package with its tests, and the benchmarks
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "distributed", BUNDLE / "distributed", ignore=ignore)
@@ -148,10 +167,53 @@ def bundle(ucx_cuda: bool = False) -> None:
     (BUNDLE / "run.sh").write_text(RUN)
     if ucx_cuda:
         add_ucx_cuda()
-    size = sum(p.stat().st_size for p in BUNDLE.rglob("*") if p.is_file())
+    if ucxx:
+        add_ucxx()
+    files = [p for p in BUNDLE.rglob("*") if p.is_file() and not p.is_symlink()]
+    size = sum(p.stat().st_size for p in files)
     print(f"{BUNDLE}: {size / 2**20:.1f} MiB")
     if size > 60 * 2**20:
         sys.exit("too large for the device tool, which carries 64 MiB in all")
+
+
+def download(into: Path, *requirements: str) -> None:
+    """Wheels of ``requirements`` alone, for the machine's Python"""
+    platforms = ["manylinux2014_x86_64", "manylinux_2_17_x86_64"]
+    platforms += ["manylinux_2_28_x86_64"]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        + ["--only-binary=:all:", "--python-version", PYTHON, "--implementation"]
+        + ["cp", *[arg for p in platforms for arg in ("--platform", p)]]
+        + ["-d", into, *requirements],
+        check=True,
+    )
+
+
+def add_ucxx() -> None:
+    """distributed-ucxx and what it needs, unzipped into ``ucxx/`` and pruned
+    to what runs: no static libraries, headers, CMake files, programs or
+    perftest, and one copy of each shared library (the wheels hold three,
+    which the others now link to).  Not stripped: auditwheel patched them,
+    and stripped they fail to load."""
+    target = BUNDLE / "ucxx"
+    with tempfile.TemporaryDirectory() as tmp:
+        download(Path(tmp), *UCXX)
+        for wheel in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(target)
+    for path in sorted(target.rglob("*"), reverse=True):
+        junk = path.suffix in (".a", ".la") or "perftest" in path.name
+        junk |= path.is_dir() and path.name in ("bin", "include", "cmake")
+        if junk and path.is_dir():
+            shutil.rmtree(path)
+        elif junk:
+            path.unlink()
+    for library in target.rglob("*.so.*.*.*"):  # libucp.so.0.0.0: the real one
+        stem = library.name.split(".so.")[0] + ".so"
+        for copy in (library.with_name(stem), library.with_name(stem + ".0")):
+            if copy.exists() and not copy.is_symlink():
+                copy.unlink()
+                copy.symlink_to(library.name)
 
 
 def add_ucx_cuda() -> None:
@@ -187,5 +249,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--ucx-cuda", action="store_true", help="add UCX with CUDA, for run.sh direct"
     )
+    parser.add_argument(
+        "--ucxx", action="store_true", help="add ucx:// and dask-cuda, to compare"
+    )
     args = parser.parse_args()
-    bundle(args.ucx_cuda)
+    bundle(args.ucx_cuda, args.ucxx)

@@ -308,3 +308,33 @@ def test_cupy_work_with_a_scheduler_without_gpu(tmp_path):
             assert isinstance(total, cupy.ndarray)
             assert np.isclose(float(total), expected)
             assert gpu_paths(client) & {"staged", "direct"}
+
+
+@gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rmm_pool", [None, "1GB"])
+def test_dask_cuda_local_cuda_cluster_and_cli_worker(tmp_path, rmm_pool):
+    """dask-cuda as GPU users run it: ``LocalCUDACluster(protocol="mpi")``,
+    with and without an RMM pool (its devices' memory hands out pieces of one
+    allocation), and ``dask cuda worker`` with an mpi:// scheduler"""
+    dask_cuda = pytest.importorskip("dask_cuda")
+    import cupy
+    import dask.array as da
+
+    x = da.random.random((4000, 4000), chunks=1000).map_blocks(cupy.asarray)
+    expected = float((x + x.T).sum().compute(scheduler="sync"))
+    with dask_cuda.LocalCUDACluster(
+        protocol="mpi", rmm_pool_size=rmm_pool, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        assert cluster.scheduler_address.startswith("mpi://")
+        assert np.isclose(float(client.compute((x + x.T).sum()).result()), expected)
+    file = str(tmp_path / "scheduler.json")
+    scheduler = ["dask", "scheduler", "--protocol", "mpi", "--scheduler-file", file]
+    worker = ["dask", "cuda", "worker", "--scheduler-file", file]
+    if rmm_pool:
+        worker += ["--rmm-pool-size", rmm_pool]
+    with popen([*scheduler, "--dashboard-address", ":0"]), popen(worker):
+        with Client(scheduler_file=file) as client:
+            client.wait_for_workers(1, timeout=60)
+            total = client.compute((x + x.T).sum()).result()
+            assert np.isclose(float(total), expected)
