@@ -150,6 +150,32 @@ def figure(name: str) -> list[str]:
 # --- sections the summary of report.py does not have ---
 
 
+def frames_lines(wl: dict) -> list[str]:
+    """MiB of the frames the workers wrote, by size (warm-up runs, tcp://)"""
+    mode, table = next(iter(wl["workloads"].items()))
+    bands = sorted(
+        {
+            int(b)
+            for row in table.values()
+            for b in row.get("tcp://", {}).get("frames", {})
+        }
+    )
+    if not bands:
+        return ["The frames were not counted in this run."]
+    rows = [["workload", *(f"{_size(b)}+" for b in bands)]]
+    for name, row in table.items():
+        frames = row.get("tcp://", {}).get("frames", {})
+        rows.append(
+            [name, *(f"{frames.get(str(b), [0, 0])[1] / 2**20:.1f}" for b in bands)]
+        )
+    return [
+        f"MiB the workers wrote in frames of each size, on ``tcp://`` ({mode}, "
+        "the warm-up run of each workload):",
+        "",
+        *rst_table(rows),
+    ]
+
+
 def scale_lines(scale: dict) -> list[str]:
     s, i = scale["summary"], scale.get("intervals", {})
     rows = [["", "tcp://", "mpi://", "mpi/tcp", "95 % interval"]]
@@ -324,6 +350,8 @@ def page() -> str:
     if wl:
         lines += heading("Real workloads, wall time (median)")
         lines += from_markdown(report.workloads_lines(wl)) + [""] + figure("workloads")
+    if wl:
+        lines += heading("Where the workloads' bytes travel") + frames_lines(wl) + [""]
     if pauses:
         lines += heading("Round trips after a pause (median), receiver idle or busy")
         lines += from_markdown(report.pauses_lines(pauses)) + [""] + figure("pauses")

@@ -17,6 +17,16 @@ Each workload computes while its processes communicate:
 - ``data_heavy``: 16 arrays of 64 MiB made on three workers, then summed by
   the fourth (``client.submit(f, *arrays, workers=[one])``): 1 GiB moved; only
   that step is timed
+- ``join``: two dataframes of 1 million rows (8 partitions each) merged on a
+  key with the P2P hash join, then reduced
+- ``sort``: a dataframe of 2 million rows sorted by a column, then reduced
+- ``climatology``: the mean by month of a (days, 100, 100) array chunked by
+  30 days (a year of daily fields, four years long): each month's days picked
+  from every chunk, as ``xarray``'s ``groupby("time.month")`` does
+- ``tree_reduction``: the Gram matrix ``x.T @ x`` of a (40000, 400) array in
+  chunks of 2500 rows, partial products summed in a tree
+- ``fancy_indexing``: 4000 random rows of a (32000, 500) array taken from
+  every chunk, then summed by column
 
 in two launch modes:
 
@@ -58,9 +68,12 @@ Every cluster runs in a child process of its own (``workloads.py serve MODE
 PROTOCOL``), which runs a workload when the driver asks and must answer within
 a timeout, so that MPI started in one cluster cannot touch another; the whole
 process group is killed after each cluster, and processes left over are
-reported. Writes ``workloads.json`` (``workloads[mode][name]``: per protocol
-the median ``seconds``, all ``times``, ``bytes_moved``, ``cpu_seconds``,
-``over_mpi_bytes``; ``pairs``, the ratios mpi/tcp of the pairs of runs;
+reported. The warm-up run of each workload also counts the frames the
+workers wrote, by size (``frames``: count and bytes per band of sizes), which
+says where a workload's bytes travel; the timed runs do not count them.
+Writes ``workloads.json`` (``workloads[mode][name]``: per protocol the median
+``seconds``, all ``times``, ``bytes_moved``, ``cpu_seconds``,
+``over_mpi_bytes``, ``frames``; ``pairs``, the ratios mpi/tcp of the pairs of runs;
 ``mpi/tcp``, their median, and ``mpi/tcp 95%``, a bootstrap interval of it;
 ``runs``: each cluster's own figures, start-up time, mpiexec's exit status,
 leftovers) and ``workloads.png``.
@@ -96,7 +109,14 @@ NAMES = [
     "p2p_rechunk",
     "p2p_shuffle",
     "data_heavy",
+    "join",
+    "sort",
+    "climatology",
+    "tree_reduction",
+    "fancy_indexing",
 ]
+# Frame sizes counted: the lower bound of each band
+BANDS = [0, 2**10, 2**16, 2**18, 2**20, 2**22, 2**23, 2**24]
 
 
 def sizes(quick: bool) -> dict:
@@ -108,6 +128,11 @@ def sizes(quick: bool) -> dict:
             "p2p_rechunk": {"n": 2000, "strip": 100},
             "p2p_shuffle": {"rows": 500_000, "partitions": 8},
             "data_heavy": {"arrays": 16, "mib": 16},
+            "join": {"rows": 250_000, "partitions": 4},
+            "sort": {"rows": 500_000, "partitions": 8},
+            "climatology": {"years": 1, "side": 50},
+            "tree_reduction": {"rows": 10_000, "columns": 200, "chunk": 1000},
+            "fancy_indexing": {"rows": 8000, "columns": 250, "take": 1000},
         }
     return {
         "control_plane": {"tasks": 4000},
@@ -116,6 +141,11 @@ def sizes(quick: bool) -> dict:
         "p2p_rechunk": {"n": 4000, "strip": 100},
         "p2p_shuffle": {"rows": 2_000_000, "partitions": 16},
         "data_heavy": {"arrays": 16, "mib": 64},
+        "join": {"rows": 1_000_000, "partitions": 8},
+        "sort": {"rows": 2_000_000, "partitions": 16},
+        "climatology": {"years": 4, "side": 100},
+        "tree_reduction": {"rows": 40_000, "columns": 400, "chunk": 2500},
+        "fancy_indexing": {"rows": 32_000, "columns": 500, "take": 4000},
     }
 
 
@@ -229,7 +259,161 @@ def data_heavy(client, arrays: int, mib: int) -> float:
     return elapsed
 
 
+def _keyed(seed: int, rows: int, keys: int):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({"key": rng.integers(0, keys, rows), "v": rng.random(rows)})
+
+
+def join(client, rows: int, partitions: int) -> float:
+    import random
+
+    import dask
+    import dask.dataframe as dd
+
+    seed = random.randrange(2**31)
+    per = rows // partitions
+    left = dd.from_map(_keyed, range(seed, seed + partitions), rows=per, keys=rows)
+    right = dd.from_map(
+        _keyed, range(seed + partitions, seed + 2 * partitions), rows=per, keys=rows
+    )
+    with dask.config.set({"dataframe.shuffle.method": "p2p"}):
+        merged = left.merge(right, on="key", how="inner")
+        result = merged["v_x"].sum() + merged["v_y"].sum()
+    start = time.perf_counter()
+    client.compute(result).result()
+    return time.perf_counter() - start
+
+
+def _first_and_last(part):
+    import pandas as pd
+
+    if not len(part):
+        return pd.Series([0.0])
+    return pd.Series([part["x"].iloc[0] - part["x"].iloc[-1] + part["y"].sum()])
+
+
+def sort(client, rows: int, partitions: int) -> float:
+    import random
+
+    import dask
+    import dask.dataframe as dd
+    import pandas as pd
+
+    seed = random.randrange(2**31)
+    df = dd.from_map(
+        _partition, range(seed, seed + partitions), rows=rows // partitions
+    )
+    with dask.config.set({"dataframe.shuffle.method": "p2p"}):
+        ordered = df.sort_values("x")
+        result = ordered.map_partitions(
+            _first_and_last, meta=pd.Series(dtype="f8")
+        ).sum()
+    start = time.perf_counter()
+    client.compute(result).result()
+    return time.perf_counter() - start
+
+
+def climatology(client, years: int, side: int) -> float:
+    import dask.array as da
+    import numpy as np
+
+    days = 365 * years
+    month = (np.arange(days) % 365) * 12 // 365  # a 365-day calendar
+    x = da.random.random((days, side, side), chunks=(30, side, side))
+    means = da.stack([x[month == m].mean(axis=0) for m in range(12)])
+    start = time.perf_counter()
+    client.compute(means.sum()).result()
+    return time.perf_counter() - start
+
+
+def tree_reduction(client, rows: int, columns: int, chunk: int) -> float:
+    import dask.array as da
+
+    x = da.random.random((rows, columns), chunks=(chunk, columns))
+    gram = da.einsum("ij,ik->jk", x, x, split_every=2)
+    start = time.perf_counter()
+    client.compute(gram.sum()).result()
+    return time.perf_counter() - start
+
+
+def fancy_indexing(client, rows: int, columns: int, take: int) -> float:
+    import dask.array as da
+    import numpy as np
+
+    x = da.random.random((rows, columns), chunks=(rows // 8, columns))
+    index = np.sort(np.random.default_rng().choice(rows, take, replace=False))
+    result = x[index[::-1]].sum(axis=0)  # descending: gathered across chunks
+    start = time.perf_counter()
+    client.compute(result.sum()).result()
+    return time.perf_counter() - start
+
+
 WORKLOADS = {name: globals()[name] for name in NAMES}
+
+
+# -- frame sizes, counted on the workers -------------------------------------
+
+
+def _count_frames(dask_worker=None, start: bool = True):
+    """Count the frames this process writes on tcp:// and mpi:// comms, by
+    band of size (start), or stop and return the counts"""
+    import bisect
+    import sys
+
+    modules = [
+        sys.modules[name]
+        for name in ["distributed.comm.tcp", "distributed.comm.mpi"]
+        if name in sys.modules
+    ]
+    if not start:
+        counts = {}
+        for module in modules:
+            wrapper = module.to_frames
+            module.to_frames = getattr(wrapper, "original", wrapper)
+            counts = getattr(wrapper, "counts", counts)
+        return counts
+    counts: dict[int, list[int]] = {}
+
+    def counting(original):
+        async def to_frames(*args, **kwargs):
+            frames = await original(*args, **kwargs)
+            for frame in frames:
+                try:
+                    size = memoryview(frame).nbytes
+                except TypeError:  # a device buffer
+                    size = getattr(frame, "nbytes", 0)
+                band = BANDS[bisect.bisect_right(BANDS, size) - 1]
+                entry = counts.setdefault(band, [0, 0])
+                entry[0] += 1
+                entry[1] += size
+            return frames
+
+        to_frames.original = original
+        to_frames.counts = counts
+        return to_frames
+
+    for module in modules:
+        module.to_frames = counting(module.to_frames)
+    return None
+
+
+def frames_written(client, run) -> dict:
+    """Frames the workers wrote while ``run()`` ran: {band: [count, bytes]}"""
+    client.run(_count_frames)
+    try:
+        run()
+    finally:
+        per_worker = client.run(_count_frames, start=False)
+    total: dict[str, list[int]] = {}
+    for counts in per_worker.values():
+        for band, (n, nbytes) in counts.items():
+            entry = total.setdefault(str(band), [0, 0])
+            entry[0] += n
+            entry[1] += nbytes
+    return dict(sorted(total.items(), key=lambda item: int(item[0])))
 
 
 # -- counters read on the workers --------------------------------------------
@@ -433,8 +617,8 @@ def serve(mode: str, protocol: str, quick: bool, threads: int) -> None:
             name, params = ask["name"], sizes(quick)[ask["name"]]
             print(f"  {mode} {protocol}:// {ask['op']} {name}", file=sys.stderr)
             if ask["op"] == "warm_up":
-                warm_up(client, name, params)
-                reply({})
+                frames = frames_written(client, lambda: warm_up(client, name, params))
+                reply({"frames": frames})
             else:
                 reply(run_once(client, name, params, protocol == "mpi"))
     reply(info)
@@ -491,6 +675,7 @@ class Cluster:
         )
         self._pending = b""
         self.runs: dict[str, list] = {}
+        self.frames: dict[str, dict] = {}  # of each workload's warm-up
         self.result = {"workloads": {}}
 
     def start(self) -> None:
@@ -498,7 +683,7 @@ class Cluster:
         self.result.update(self._ask(None))
 
     def warm_up(self, name: str) -> None:
-        self._ask({"op": "warm_up", "name": name})
+        self.frames[name] = self._ask({"op": "warm_up", "name": name})["frames"]
 
     def time(self, name: str) -> None:
         self.runs.setdefault(name, []).append(self._ask({"op": "run", "name": name}))
@@ -557,6 +742,7 @@ class Cluster:
         self.result["left_behind"] = left
         for name, runs in self.runs.items():
             self.result["workloads"][name] = figures(runs)
+            self.result["workloads"][name]["frames"] = self.frames.get(name, {})
         return self.result
 
 
@@ -617,6 +803,8 @@ def summarize(results: dict, names: list[str]) -> None:
                 ]
                 if mpi:
                     row[protocol]["over_mpi_bytes"] = statistics.median(mpi)
+                # Of the first round's warm-up
+                row[protocol]["frames"] = next(iter(done.values())).get("frames", {})
             # A pair: the two runs of one round made next to each other
             pairs = [
                 m / t
@@ -652,6 +840,26 @@ def print_table(results: dict) -> None:
             print(
                 f"{name:17s} {mode:12s} {cell(tcp)} {cell(mpi)} {ratio} {moved} {over}"
             )
+
+
+def band_name(band: int) -> str:
+    """A band of frame sizes by its lower bound, as "64K+" """
+    for unit, scale in [("M", 2**20), ("K", 2**10)]:
+        if band >= scale:
+            return f"{band // scale}{unit}+"
+    return f"{band}+"
+
+
+def print_frames(results: dict) -> None:
+    """Bytes the workers wrote in frames of each band of sizes (warm-up runs,
+    tcp://, the first mode)"""
+    table = next(iter(results["workloads"].values()), {})
+    print("MiB written by the workers, by frame size (tcp://):")
+    print(f"{'workload':17s}" + "".join(f"{band_name(b):>8s}" for b in BANDS))
+    for name, row in table.items():
+        frames = (row.get("tcp://") or {}).get("frames", {})
+        cells = [frames.get(str(b), [0, 0])[1] / 2**20 for b in BANDS]
+        print(f"{name:17s}" + "".join(f"{c:8.1f}" for c in cells))
 
 
 def plot(results: dict, out: str) -> None:
@@ -748,6 +956,7 @@ def main() -> None:
         json.dump(results, f, indent=1)
     plot(results, args.out)
     print_table(results)
+    print_frames(results)
     if args.control:
         print("control: tcp:// ran in mpi://'s place")
     print(f"({results['seconds']:.0f} s in all)")
