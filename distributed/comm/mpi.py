@@ -112,7 +112,9 @@ class Head(NamedTuple):
             for i in range(n)
         ]
         start = cls._FIXED.size + n * cls._FRAME.size
-        extra = bytes(data[start : start + extra])
+        if len(data) != start + extra:
+            raise struct.error("a head of another length than it says")
+        extra = bytes(data[start:])
         return cls(bool(want), channel, tag, frames, tuple(lease), extra)
 
 
@@ -204,8 +206,10 @@ class MPI(TCP):
 
     @property
     def gpu_path(self) -> str | None:
-        """How GPU frames travel: "direct" (CUDA-aware MPI), "staged" (through
-        pinned host memory), or None: as host frames, one end has no GPU"""
+        """How GPU frames travel through MPI: "direct" (CUDA-aware MPI),
+        "staged" (through pinned host memory), or None: as host frames, one
+        end has no GPU.  Between processes of one host, those that can be
+        exported are copied by CUDA IPC instead (``mpi_routes.DeviceIPC``)"""
         return self._link and self._link.gpu
 
     async def read(self, deserializers=None):

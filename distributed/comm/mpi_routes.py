@@ -37,8 +37,8 @@ from distributed.comm.mpi_buffers import host_buffer
 class Message:
     """One message's transfers over a channel: its tag, the size of its MPI
     pieces, and ``post(chunks)``, which posts the sends (or receives, for a
-    message read) of some of its pieces and
-    returns the future of their completion"""
+    message read) of some of its pieces and returns the future of their
+    completion"""
 
     def __init__(self, channel, tag: int, chunk_size: int, transfers, receive: bool):
         self.channel = channel
