@@ -328,12 +328,9 @@ benchmarks:
 
 
 def page() -> str:
-    pp, apps, idle, conn, wl, pauses, hosts = (
-        load(n)
-        for n in ["pingpong", "apps", "idle", "connect", "workloads", "pauses", "hosts"]
-    )
+    pp, apps, idle, conn, wl, pauses, hosts = (load(n) for n in report.SUMMARIZED)
     lines = INTRO.splitlines() + [""]
-    first = next((r for r in (wl, pp, pauses) if r and "machine" in r), None)
+    first = report.first_with_machine(wl, pp, pauses)
     if first:
         m = first["machine"]
         lines += [

@@ -254,13 +254,18 @@ def hosts_lines(hosts: dict) -> list[str]:
     return lines
 
 
+SUMMARIZED = ["pingpong", "apps", "idle", "connect", "workloads", "pauses", "hosts"]
+
+
+def first_with_machine(*results: dict | None) -> dict | None:
+    """The first of ``results`` that says which machine it ran on"""
+    return next((r for r in results if r and "machine" in r), None)
+
+
 def main(out: str) -> None:
-    pp, apps, idle, conn, wl, pauses, hosts = (
-        load(out, n)
-        for n in ["pingpong", "apps", "idle", "connect", "workloads", "pauses", "hosts"]
-    )
+    pp, apps, idle, conn, wl, pauses, hosts = (load(out, n) for n in SUMMARIZED)
     lines = ["# Benchmark summary", ""]
-    first = next((r for r in (pp, wl, pauses) if r and "machine" in r), None)
+    first = first_with_machine(pp, wl, pauses)
     if first:
         m = first["machine"]
         lines += [
