@@ -27,10 +27,7 @@ always travel over MPI: see ``distributed.comm.mpi_gpu``.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import struct
-import sys
 import weakref
 from typing import NamedTuple
 
@@ -39,8 +36,9 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
-from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_startup
+from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_local
 from distributed.comm import mpi_policy as policy
+from distributed.comm import mpi_startup
 from distributed.comm.addressing import (
     get_address_host,
     parse_host_port,
@@ -57,7 +55,6 @@ from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_stream import SocketStream
 from distributed.comm.mpi_transfers import Transfers
 from distributed.comm.tcp import (
-    MAX_BUFFER_SIZE,
     TCP,
     BaseTCPBackend,
     TCPConnector,
@@ -471,43 +468,6 @@ def _grouped(pairs) -> list[tuple[Route, list]]:
     return sorted(groups.items(), key=lambda group: ORDER.index(type(group[0])))
 
 
-def _widen(sock: socket.socket) -> None:
-    """Let a Unix socket hold as much as TCP's does by default (4 MiB): with
-    Linux's default, messages of some hundred KB took longer than over TCP
-    (docs/mpi-design.rst, "Comms on one host").  Linux caps it at
-    ``net.core.wmem_max``."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 2**20)
-
-
-def _local_name(address: str) -> str:
-    """The Unix socket of the mpi:// listener at ``address`` (host:port), in
-    Linux's abstract namespace: a network namespace's own, so a name found is
-    a listener on this host"""
-    return "\0distributed-mpi:" + address
-
-
-def _connect_locally(address: str) -> SocketStream | None:
-    """A stream to the listener at ``address`` over its Unix socket, if it is
-    on this host and runs as this user; else None"""
-    if not sys.platform.startswith("linux"):
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        # Completes at once, or fails: no such listener, or its backlog is full
-        sock.connect(_local_name(address))
-        _, uid, _ = struct.unpack(
-            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        )
-        if uid != os.getuid():
-            raise PermissionError("the listener runs as another user")
-        _widen(sock)
-    except OSError:
-        sock.close()
-        return None
-    return SocketStream(sock)
-
-
 class MPIConnector(TCPConnector):
     """Connects over TCP, or over a Unix socket to a listener on this host,
     which delivers a message sooner, and with less CPU"""
@@ -518,7 +478,7 @@ class MPIConnector(TCPConnector):
     async def connect(self, address, deserialize=True, **connection_args):
         mpi_startup.start_mpi()  # MPI starts with the first mpi:// connection
         self._check_encryption(address, connection_args)
-        stream = _connect_locally(address)
+        stream = mpi_local.connect(address)
         if stream is not None:
             # A Unix socket has no address: this host's, with no port
             local = self.prefix + unparse_host_port(parse_host_port(address)[0], 0)
@@ -546,25 +506,9 @@ class MPIListener(TCPListener):
         # From the handshake of a stream to its comm
         self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         await super().start()
-        self._local_server = self._serve_locally()
-
-    def _serve_locally(self) -> TCPServer | None:
-        """Listen on a Unix socket too, for connections from this host"""
-        if not sys.platform.startswith("linux"):
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(_local_name(self.contact_address[len(self.prefix) :]))
-            sock.listen(int(dask.config.get("distributed.comm.socket-backlog")))
-        except OSError as e:  # a listener of this address in another process
-            logger.debug("%s listens on TCP only: %s", self.contact_address, e)
-            sock.close()
-            return None
-        sock.setblocking(False)
-        server = TCPServer(max_buffer_size=MAX_BUFFER_SIZE)
-        server.handle_stream = self._handle_local_stream
-        server.add_sockets([sock])
-        return server
+        self._local_server = mpi_local.serve(
+            self.contact_address[len(self.prefix) :], self._handle_local_stream
+        )
 
     def stop(self):
         server, self._local_server = self._local_server, None
@@ -578,7 +522,7 @@ class MPIListener(TCPListener):
         peer = self.prefix + unparse_host_port(
             get_address_host(self.contact_address), 0
         )
-        _widen(stream.socket)
+        mpi_local.widen(stream.socket)
         stream = await self._prepare_stream(stream, peer)
         if stream is None:
             return
