@@ -514,7 +514,7 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
         comm = await connect(wait_for_file(path, server))
         peer = comm.peer.process
         array = np.arange(3_000_000)
-        with captured_logger("distributed.comm.mpi_channel") as log:
+        with captured_logger("distributed.comm.mpi_opener") as log:
             for _ in range(100):
                 await comm.write({"op": "sum", "x": to_serialize(array)})
                 assert (await comm.read())["sum"] == array.sum()
