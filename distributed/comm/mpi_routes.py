@@ -174,10 +174,11 @@ class DeviceIPC(Route):
 
     def describe(self, frames, msg):
         words = []
-        for frame in frames:
-            handle, base, offset = self._exports.pop(id(frame))
+        for frame in frames:  # one buffer may be several of a message's frames
+            handle, base, offset = self._exports[id(frame)]
             words.append(len(msg.extra))
             msg.extra += self._RECORD.pack(len(handle), base, offset) + handle
+        self._exports.clear()
         return words
 
     async def send(self, frames, msg):

@@ -432,3 +432,13 @@ async def test_reader_killed_while_it_maps_the_writers_frames(ipc_peer):
             await asyncio.wait_for(comm.read(), 20)
         engine = ProgressEngine.current()
         await async_poll_for(lambda: engine.pending() == 0, timeout=30)
+
+
+@gen_test(timeout=60)
+async def test_one_device_frame_twice_in_a_message(peer):
+    """The same buffer in two places of one message"""
+    with dask.config.set(peer.config):
+        comm = await connect_over_mpi(peer.address)
+        x = OnDevice.random(3 * CHUNK + 5, 1)
+        await exchange(comm, [x, 7, x], [])
+        await comm.close()
