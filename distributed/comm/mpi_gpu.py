@@ -249,7 +249,7 @@ class HostDevice:
     def __init__(self):
         self.copies = 0  # started so far
         self.opened = 0  # IPC handles opened so far
-        self.mapped: dict[tuple[int, int], int] = {}  # (pid, base): buffer id
+        self.mapped: set[tuple[int, int]] = set()  # (pid, base) of each mapping
 
     def buffer(self, size: int):
         return HostBuffer(size)
@@ -277,12 +277,12 @@ class HostDevice:
     def open(self, handle, writer):
         """As CUDA does: a handle of an allocation whose address this process
         still maps for another is "already mapped" """
-        base, nbytes, id = _HOST_HANDLE.unpack(handle)
+        base, nbytes, _ = _HOST_HANDLE.unpack(handle)
         key = (writer.pid, base)
         if key in self.mapped:
             raise RuntimeError(f"already mapped: {base:#x} of process {writer.pid}")
         self.opened += 1
-        self.mapped[key] = id
+        self.mapped.add(key)
         return _HostMapping(self, writer, key, nbytes)
 
 
@@ -334,7 +334,7 @@ class _HostMapping:
         return _HostCopy(read, polls=self._device.copies % 4)
 
     def close(self):
-        self._device.mapped.pop(self._key, None)
+        self._device.mapped.discard(self._key)
 
 
 class _HostCopy:
