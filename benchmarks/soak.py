@@ -84,8 +84,8 @@ def _registries():
     }
     # The progress engines' transfers in flight, and abandoned ones
     engines = sys.modules["distributed.comm.mpi_progress"].ProgressEngine._engines
-    for name in ["_transfers", "_orphans"]:
-        sizes["engine" + name] = sum(len(getattr(e, name)) for e in engines.values())
+    for key, name in [("transfers", "_waited"), ("orphans", "_orphans")]:
+        sizes["engine_" + key] = sum(len(getattr(e, name)) for e in engines.values())
     return sizes
 
 

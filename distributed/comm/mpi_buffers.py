@@ -49,12 +49,6 @@ try:
 except ImportError:  # distributed does not need it
     numpy = None
 
-# Freed buffers, appended by any thread: (capacity, mapping, when freed)
-_freed: deque[tuple[int, mmap.mmap, float]] = deque()
-_taking = threading.Lock()
-# Loops where a trim is due
-_trimming: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-
 
 def _glibc_mmap_threshold() -> int:
     """The size from which glibc's malloc gives a buffer a mapping of its
@@ -86,7 +80,7 @@ def host_buffer(size: int) -> memoryview:
     if size < SMALLEST or numpy is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return host_array(size)
     capacity = -(-size // HUGE_PAGE) * HUGE_PAGE
-    mapping = _take(capacity)
+    mapping = freed.take(capacity)
     if mapping is None:
         try:
             # 2 MiB more, to start on a boundary
@@ -105,58 +99,77 @@ def host_buffer(size: int) -> memoryview:
     array = numpy.frombuffer(mapping, "u1", size, start)
     loop = weakref.ref(asyncio.get_running_loop())
     keep_at_most = parse_bytes(config("keep-freed"))  # read here, not in any thread
-    weakref.finalize(array, _free, capacity, mapping, loop, keep_at_most).atexit = False
+    weakref.finalize(
+        array, freed.free, capacity, mapping, loop, keep_at_most
+    ).atexit = False
     return array.data
 
 
-def _take(capacity: int) -> mmap.mmap | None:
-    """The freed mapping of ``capacity`` that waited least, if one waits"""
-    with _taking:  # from the loops of several threads; finalizers only append
-        _drop_expired()
-        for entry in reversed(list(_freed)):
-            if entry[0] == capacity:
-                _freed.remove(entry)
-                return entry[1]
-    return None
+class FreedBuffers:
+    """The memory of received frames that were freed, kept a while for the
+    next frames of the same capacity (appended by any thread, taken by the
+    event loops of any)"""
 
+    def __init__(self):
+        # (capacity, mapping, when freed), oldest first
+        self._entries: deque[tuple[int, mmap.mmap, float]] = deque()
+        self._taking = threading.Lock()
+        self._trimming: weakref.WeakSet = weakref.WeakSet()  # loops, trims due
 
-def _drop_expired() -> None:
-    """Give back what waited ``KEEP_FOR`` (with ``_taking`` held)"""
-    expired = time.monotonic() - KEEP_FOR
-    while _freed and _freed[0][2] < expired:
-        _freed.popleft()  # the mapping goes with its last reference
+    def nbytes(self) -> int:
+        """How much memory is kept"""
+        return sum(entry[0] for entry in list(self._entries))
 
+    def clear(self) -> None:
+        self._entries.clear()
 
-def _free(
-    capacity: int, mapping: mmap.mmap, loop: weakref.ref, keep_at_most: int
-) -> None:
-    """The last reference to a received frame went (in any thread): keep its
-    memory a while, if the event loop of its reader runs to give it back
-    then, and unless ``keep_at_most`` waits already"""
-    loop = loop()
-    if loop is None or not loop.is_running():
-        return  # the mapping goes with its last reference
-    if sum(entry[0] for entry in list(_freed)) + capacity > keep_at_most:
-        return
-    if loop not in _trimming:
-        try:
-            loop.call_soon_threadsafe(_trim_later, loop)
-        except RuntimeError:  # closed meanwhile
+    def take(self, capacity: int) -> mmap.mmap | None:
+        """The freed mapping of ``capacity`` that waited least, if one waits"""
+        with self._taking:  # from several loops; finalizers only append
+            self._drop_expired()
+            for entry in reversed(list(self._entries)):
+                if entry[0] == capacity:
+                    self._entries.remove(entry)
+                    return entry[1]
+        return None
+
+    def free(
+        self, capacity: int, mapping: mmap.mmap, loop: weakref.ref, keep_at_most: int
+    ) -> None:
+        """The last reference to a received frame went (in any thread): keep
+        its memory a while, if the event loop of its reader runs to give it
+        back then, and unless ``keep_at_most`` waits already"""
+        loop = loop()
+        if loop is None or not loop.is_running():
+            return  # the mapping goes with its last reference
+        if self.nbytes() + capacity > keep_at_most:
             return
-    _freed.append((capacity, mapping, time.monotonic()))
+        if loop not in self._trimming:
+            try:
+                loop.call_soon_threadsafe(self._trim_later, loop)
+            except RuntimeError:  # closed meanwhile
+                return
+        self._entries.append((capacity, mapping, time.monotonic()))
+
+    def _drop_expired(self) -> None:
+        """Give back what waited ``KEEP_FOR`` (with ``_taking`` held)"""
+        expired = time.monotonic() - KEEP_FOR
+        while self._entries and self._entries[0][2] < expired:
+            self._entries.popleft()  # the mapping goes with its last reference
+
+    def _trim_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop not in self._trimming:
+            self._trimming.add(loop)
+            loop.call_later(KEEP_FOR, self._trim, loop)
+
+    def _trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give back the memory that waited ``KEEP_FOR``; look again later
+        while some waits"""
+        self._trimming.discard(loop)
+        with self._taking:
+            self._drop_expired()
+        if self._entries:
+            self._trim_later(loop)
 
 
-def _trim_later(loop: asyncio.AbstractEventLoop) -> None:
-    if loop not in _trimming:
-        _trimming.add(loop)
-        loop.call_later(KEEP_FOR, _trim, loop)
-
-
-def _trim(loop: asyncio.AbstractEventLoop) -> None:
-    """Give back the memory that waited ``KEEP_FOR``; look again later while
-    some waits"""
-    _trimming.discard(loop)
-    with _taking:
-        _drop_expired()
-    if _freed:
-        _trim_later(loop)
+freed = FreedBuffers()

@@ -34,22 +34,19 @@ logger = logging.getLogger(__name__)
 # The process whose process manager the PMI variables name, for children
 _USER = "DASK_MPI_PMI_USER"
 
-_server: socket.socket | None = None  # this process's end, when it serves
-_serving: threading.Thread | None = None
-_stop = threading.Event()  # set once MPI_Init returned
-_job = ""
-_kvs: dict[str, str] = {"PMI_process_mapping": "(vector,(0,1,1))"}
+_manager: _SelfManager | None = None  # when this process serves itself
 
 
 def prepare_environment(MPI) -> None:
     """Call before MPI_Init: make the process manager variables this
     process's own, serving them from a thread when nobody else does"""
+    global _manager
     env = os.environ
     if not MPI.Is_initialized() and not _has_process_manager():
         for key in [k for k in env if k.startswith(("PMI_", "PMIX_"))]:
             del env[key]
         if MPI.Get_library_version().startswith("MPICH"):
-            _serve_self()
+            _manager = _SelfManager()
     env[_USER] = str(os.getpid())
 
 
@@ -75,80 +72,94 @@ def initialized() -> None:
     """Call once MPI_Init returned: stop serving, and take back the variables
     that named this process's own process manager: a child (a job submitted
     from here, or its children) would take them for its own"""
-    global _serving
-    if _serving is not None:
-        _stop.set()
-        _serving.join()
-        _serving = None
+    if _manager is not None and _manager.serving():
+        _manager.stop()
         for key in ["PMI_FD", "PMI_RANK", "PMI_SIZE"]:
             os.environ.pop(key, None)
 
 
 def finalizing() -> None:
     """Call before MPI_Finalize, which waits in a barrier: answer it"""
-    if _server is not None:
-        with contextlib.suppress(OSError):
-            _server.sendall(b"cmd=barrier_out rc=0\n")
+    if _manager is not None:
+        _manager.say("cmd=barrier_out rc=0")
 
 
 def finalized() -> None:
     """Call after MPI_Finalize.  MPICH sends its last request, finalize,
     from a C exit handler, once Python has stopped every thread: answer it
     in advance."""
-    if _server is not None:
+    if _manager is not None:
+        _manager.say("cmd=finalize_ack rc=0")
+        _manager.socket.detach()  # left open for that request: never closed
+
+
+class _SelfManager:
+    """The process manager of a job of one, this process: serves PMI-1 on
+    a socket pair, from a thread, until stopped"""
+
+    def __init__(self):
+        self.socket, theirs = socket.socketpair()
+        self.job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._kvs = {"PMI_process_mapping": "(vector,(0,1,1))"}
+        self._stop = threading.Event()
+        os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._serve, name="MPI-process-manager", daemon=True
+        )
+        self._thread.start()
+
+    def serving(self) -> bool:
+        return self._thread is not None
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def say(self, reply: str) -> None:
         with contextlib.suppress(OSError):
-            _server.sendall(b"cmd=finalize_ack rc=0\n")
-        _server.detach()  # left open for that request: never closed by Python
+            self.socket.sendall(reply.encode() + b"\n")
 
-
-def _serve_self() -> None:
-    global _server, _job
-    ours, theirs = socket.socketpair()
-    _server = ours
-    _job = f"dask-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.environ.update(PMI_FD=str(theirs.detach()), PMI_RANK="0", PMI_SIZE="1")
-    global _serving
-    _serving = threading.Thread(target=_serve, name="MPI-process-manager", daemon=True)
-    _serving.start()
-
-
-def _serve() -> None:
-    """Answer the PMI-1 requests of MPI_Init until stopped"""
-    replies = {
-        "init": "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1",
-        "get_maxes": "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024",
-        "get_appnum": "cmd=appnum rc=0 appnum=0",
-        "get_my_kvsname": f"cmd=my_kvsname rc=0 kvsname={_job}",
-        "get_universe_size": "cmd=universe_size rc=0 size=1",
-        "barrier_in": "cmd=barrier_out rc=0",
-        "finalize": "cmd=finalize_ack rc=0",
-    }
-    pending = b""
-    while not _stop.is_set():
-        if not select.select([_server], [], [], 0.05)[0]:
-            continue
-        data = _server.recv(4096)
-        if not data:
-            return
-        *lines, pending = (pending + data).split(b"\n")
-        for line in lines:
-            request = dict(
-                field.split("=", 1) for field in line.decode().split() if "=" in field
-            )
-            cmd = request.get("cmd", "")
-            if cmd == "put":
-                _kvs[request["key"]] = request.get("value", "")
-                reply = "cmd=put_result rc=0"
-            elif cmd == "get":
-                value = _kvs.get(request.get("key", ""))
-                reply = (
-                    f"cmd=get_result rc=0 value={value}"
-                    if value is not None
-                    else "cmd=get_result rc=-1 msg=key_not_found"
+    def _serve(self) -> None:
+        """Answer the PMI-1 requests of MPI_Init until stopped"""
+        replies = {
+            "init": "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1",
+            "get_maxes": "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024",
+            "get_appnum": "cmd=appnum rc=0 appnum=0",
+            "get_my_kvsname": f"cmd=my_kvsname rc=0 kvsname={self.job}",
+            "get_universe_size": "cmd=universe_size rc=0 size=1",
+            "barrier_in": "cmd=barrier_out rc=0",
+            "finalize": "cmd=finalize_ack rc=0",
+        }
+        pending = b""
+        while not self._stop.is_set():
+            if not select.select([self.socket], [], [], 0.05)[0]:
+                continue
+            data = self.socket.recv(4096)
+            if not data:
+                return
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                request = dict(
+                    field.split("=", 1)
+                    for field in line.decode().split()
+                    if "=" in field
                 )
-            elif cmd in replies:
-                reply = replies[cmd]
-            else:  # spawn, publish_name, ...: a job of one cannot
-                logger.warning("MPI asked its process manager for %r", line)
-                reply = f"cmd={cmd} rc=-1 msg=unsupported"
-            _server.sendall(reply.encode() + b"\n")
+                cmd = request.get("cmd", "")
+                if cmd == "put":
+                    self._kvs[request["key"]] = request.get("value", "")
+                    reply = "cmd=put_result rc=0"
+                elif cmd == "get":
+                    value = self._kvs.get(request.get("key", ""))
+                    reply = (
+                        f"cmd=get_result rc=0 value={value}"
+                        if value is not None
+                        else "cmd=get_result rc=-1 msg=key_not_found"
+                    )
+                elif cmd in replies:
+                    reply = replies[cmd]
+                else:  # spawn, publish_name, ...: a job of one cannot
+                    logger.warning("MPI asked its process manager for %r", line)
+                    reply = f"cmd={cmd} rc=-1 msg=unsupported"
+                self.socket.sendall(reply.encode() + b"\n")

@@ -167,6 +167,121 @@ class Orphans:
                 cancel_requests(self.MPI, requests)
 
 
+class Waited:
+    """The transfers that someone waits for, each with its future, tested
+    together: a future is set once its requests complete, and fails through
+    ``fail(future, exception)`` (the engine's :meth:`ProgressEngine.cancel`)
+    when a receive gets other than its size or stalls"""
+
+    def __init__(self, MPI, fail):
+        self.MPI = MPI
+        self._fail = fail
+        self.entries: dict[asyncio.Future, _Transfer] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def busy(self) -> bool:
+        """Whether this process moves the data of one of them"""
+        return any(entry.busy for entry in self.entries.values())
+
+    def drop_dead(self, died) -> None:
+        """Fail those receiving from senders that died (``died(sender)``)"""
+        for fut, entry in list(self.entries.items()):
+            if died(entry.sender):
+                self._fail(fut, CommClosedError("the peer process died"))
+
+    def to_orphans(self, orphans: Orphans) -> None:
+        """Fail them all, MPI being stopped; their buffers stay with the
+        ``orphans``, for good: MPI may hold them"""
+        for fut, entry in self.entries.items():
+            orphans.add(entry.requests, entry.keepalive, math.inf, entry.sender)
+            if not fut.done():
+                fut.set_exception(MPIStopped("MPI is stopped in this process"))
+                fut.exception()  # retrieved: nobody may wait for it
+        self.entries.clear()
+
+    def test(self, now: float, before_mpi) -> bool:
+        """Test them all in one call into MPI, after ``before_mpi()`` (a
+        call per transfer, each after its own check of the senders, cost the
+        square of their number in each poll); whether any request completed.
+        Any counts as progress: frames are sent in chunks, so the engine
+        keeps polling without sleeping while data flows."""
+        before_mpi()
+        entries = list(self.entries.items())
+        if len(entries) <= 1:
+            return any([self.test_one(*entry, now) for entry in entries])
+        requests, starts = [], []  # where each transfer's requests start
+        for _, entry in entries:
+            starts.append(len(requests))
+            requests += entry.requests
+        statuses: list = []
+        try:
+            completed = self.MPI.Request.Testsome(requests, statuses)
+        except self.MPI.Exception:
+            # One of them failed: test each alone to find which
+            progressed = False
+            for fut, entry in entries:
+                before_mpi()
+                if fut in self.entries:
+                    progressed |= self.test_one(fut, entry, now)
+            return progressed
+        if completed is None:  # none was left active
+            for fut, entry in entries:
+                self._settle(fut, entry, None, [], now)
+            return True
+        # Each transfer's share of what completed, in its own indices
+        shares: list[tuple[list, list]] = [([], []) for _ in entries]
+        for index, status in zip(completed, statuses):
+            n = bisect.bisect_right(starts, index) - 1
+            shares[n][0].append(index - starts[n])
+            shares[n][1].append(status)
+        progressed = False
+        for (fut, entry), (mine, theirs) in zip(entries, shares):
+            progressed |= self._settle(fut, entry, mine, theirs, now)
+        return progressed
+
+    def test_one(self, fut: asyncio.Future, entry: _Transfer, now: float) -> bool:
+        """Test the requests of one transfer; whether any completed"""
+        statuses = [] if entry.sizes else None
+        try:
+            completed = self.MPI.Request.Testsome(entry.requests, statuses)
+        except self.MPI.Exception as e:
+            del self.entries[fut]
+            fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+            return True
+        return self._settle(fut, entry, completed, statuses, now)
+
+    def _settle(
+        self,
+        fut: asyncio.Future,
+        entry: _Transfer,
+        completed: list[int] | None,
+        statuses: list | None,
+        now: float,
+    ) -> bool:
+        """Act on a test of one transfer, whose requests at ``completed``
+        completed with ``statuses`` (None: none was left active); whether
+        any did"""
+        if completed and entry.sizes:
+            if wrong := wrong_size(self.MPI, completed, statuses, entry.sizes):
+                self._fail(fut, CommClosedError(wrong))
+                return True
+        # Testsome set the completed requests to MPI_REQUEST_NULL (falsy); it
+        # returns None once none is left active
+        if completed is None or (completed and not any(entry.requests)):
+            del self.entries[fut]
+            if not fut.done():
+                fut.set_result(None)
+            return True
+        if completed:
+            entry.last = now
+            return True
+        if entry.stall_after and now - entry.last > entry.stall_after:
+            self._fail(fut, Stalled("MPI delivered nothing"))
+        return False
+
+
 class ProgressEngine:
     """Tests the MPI requests of one event loop while any is pending"""
 
@@ -191,7 +306,7 @@ class ProgressEngine:
         self.MPI = get_mpi()
         # A proxy: the engines' dict must not keep closed loops alive
         self._loop = weakref.proxy(loop)
-        self._transfers: dict[asyncio.Future, _Transfer] = {}
+        self._waited = Waited(self.MPI, self.cancel)
         self._orphans = Orphans(self.MPI)  # abandoned transfers
         self._handle: asyncio.Handle | None = None
         self._last_progress = loop.time()
@@ -235,14 +350,15 @@ class ProgressEngine:
             raise
         statuses = [] if sizes else None
         if self.MPI.Request.Testall(requests, statuses):
-            if wrong := sizes and self._wrong_size(range(len(sizes)), statuses, sizes):
+            every = range(len(sizes or ()))
+            if wrong := sizes and wrong_size(self.MPI, every, statuses, sizes):
                 fut.set_exception(CommClosedError(wrong))
             else:
                 fut.set_result(None)
             return fut
         now = self._loop.time()
         entry = _Transfer(requests, keepalive, busy, sender, stall_after, now, sizes)
-        self._transfers[fut] = entry
+        self._waited.entries[fut] = entry
         if sizes:
             # MPICH with UCX copies a message from this host in the second
             # call into MPI after its receive was posted, at the earliest
@@ -252,8 +368,8 @@ class ProgressEngine:
                 self.drop_dead_senders()
             except MPIStopped:
                 return fut  # failed, with every transfer
-            if fut in self._transfers:
-                self._test(fut, entry, now)
+            if fut in self._waited.entries:
+                self._waited.test_one(fut, entry, now)
             if fut.done():
                 return fut
         if busy:
@@ -283,10 +399,10 @@ class ProgressEngine:
         queued in MPI, and UCX warns of each such message at exit.  Receives
         from other hosts are cancelled: nothing here would see their sender
         die."""
-        entry = self._transfers.pop(fut, None)
+        entry = self._waited.entries.pop(fut, None)
         if entry is not None and drain and entry.sender is not None:
             entry.busy = False  # nobody waits for it
-            self._transfers[self._loop.create_future()] = entry
+            self._waited.entries[self._loop.create_future()] = entry
         elif entry is not None:
             if mpi_stopped() is None:
                 cancel_requests(self.MPI, entry.requests)
@@ -298,20 +414,20 @@ class ProgressEngine:
     def abandon(self, fut: asyncio.Future) -> None:
         """Stop waiting for a transfer, and let it complete in its own time
         (see :meth:`orphan`)"""
-        entry = self._transfers.pop(fut, None)
+        entry = self._waited.entries.pop(fut, None)
         if entry is not None:
             self.orphan(entry.requests, entry.keepalive, entry.sender)
 
     def pending(self) -> int:
         """How many transfers and abandoned ones are not complete"""
-        return len(self._transfers) + len(self._orphans)
+        return len(self._waited) + len(self._orphans)
 
     def in_flight(self) -> list[tuple[list, Any, LocalPeer | None]]:
         """The requests not complete, their buffers, and the peer on this
         host they receive from (None for sends and abandoned transfers)"""
         return [
             (entry.requests, entry.keepalive, entry.sender)
-            for entry in self._transfers.values()
+            for entry in self._waited.entries.values()
         ] + [
             (requests, keepalive, sender)
             for requests, keepalive, _, sender in self._orphans.entries
@@ -336,19 +452,19 @@ class ProgressEngine:
         self._handle = None
         now = self._loop.time()
         try:
-            if self._test_transfers(now):
+            if self._waited.test(now, self.drop_dead_senders):
                 self._last_progress = now
                 self._delay = 0.0
             if self._orphans:
                 self._orphans.test(now, self.drop_dead_senders)
         except MPIStopped:
             return  # every transfer failed; MPI keeps the orphans for good
-        if not self._transfers and not self._orphans:
+        if not self._waited and not self._orphans:
             return  # nothing in flight: sleep until something is posted
-        if not self._transfers:
+        if not self._waited:
             # Only abandoned ones, which nobody waits for
             self._handle = self._loop.call_later(0.1, self._poll)
-        elif not any(entry.busy for entry in self._transfers.values()):
+        elif not self._waited.busy():
             self._handle = self._loop.call_later(self.poll_interval, self._poll)
         elif now - self._last_progress < self.busy_poll_time:
             self._handle = self._loop.call_soon(self._poll)
@@ -364,114 +480,21 @@ class ProgressEngine:
         Raises :class:`MPIStopped` (every transfer failed) once it is."""
         if mpi_stopped() is None:
             died = death_watch()
-            for fut, entry in list(self._transfers.items()):
-                if died(entry.sender):
-                    self.cancel(fut, CommClosedError("the peer process died"))
+            self._waited.drop_dead(died)
             self._orphans.drop_dead(died)
         if mpi_stopped() is not None:
-            self._fail_all()
+            self._waited.to_orphans(self._orphans)
             raise MPIStopped(f"MPI is stopped in this process: {mpi_stopped()}")
 
-    def _fail_all(self) -> None:
-        """Fail every transfer: MPI is stopped.  Their buffers stay with the
-        orphans, for good: MPI may hold them."""
-        for fut, entry in self._transfers.items():
-            self._orphans.add(entry.requests, entry.keepalive, math.inf, entry.sender)
-            if not fut.done():
-                fut.set_exception(MPIStopped("MPI is stopped in this process"))
-                fut.exception()  # retrieved: nobody may wait for it
-        self._transfers.clear()
 
-    def _test_transfers(self, now: float) -> bool:
-        """Test every transfer in one call into MPI, after one check of the
-        senders: a call per transfer, each after its own check, cost the
-        square of their number in each poll.  Any completed request counts
-        as progress: frames are sent in chunks, so the engine keeps polling
-        without sleeping while data flows."""
-        self.drop_dead_senders()
-        entries = list(self._transfers.items())
-        if not entries:  # their senders died
-            return False
-        if len(entries) == 1:
-            return self._test(*entries[0], now)
-        requests, starts = [], []  # where each transfer's requests start
-        for _, entry in entries:
-            starts.append(len(requests))
-            requests += entry.requests
-        statuses: list = []
-        try:
-            completed = self.MPI.Request.Testsome(requests, statuses)
-        except self.MPI.Exception:
-            # One of them failed: test each alone to find which
-            progressed = False
-            for fut, entry in entries:
-                self.drop_dead_senders()
-                if fut in self._transfers:
-                    progressed |= self._test(fut, entry, now)
-            return progressed
-        if completed is None:  # none was left active
-            for fut, entry in entries:
-                self._settle(fut, entry, None, [], now)
-            return True
-        # Each transfer's share of what completed, in its own indices
-        shares: list[tuple[list, list]] = [([], []) for _ in entries]
-        for index, status in zip(completed, statuses):
-            n = bisect.bisect_right(starts, index) - 1
-            shares[n][0].append(index - starts[n])
-            shares[n][1].append(status)
-        progressed = False
-        for (fut, entry), (mine, theirs) in zip(entries, shares):
-            progressed |= self._settle(fut, entry, mine, theirs, now)
-        return progressed
-
-    def _test(self, fut: asyncio.Future, entry: _Transfer, now: float) -> bool:
-        """Test the requests of one transfer; whether any completed"""
-        statuses = [] if entry.sizes else None
-        try:
-            completed = self.MPI.Request.Testsome(entry.requests, statuses)
-        except self.MPI.Exception as e:
-            del self._transfers[fut]
-            fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
-            return True
-        return self._settle(fut, entry, completed, statuses, now)
-
-    def _settle(
-        self,
-        fut: asyncio.Future,
-        entry: _Transfer,
-        completed: list[int] | None,
-        statuses: list | None,
-        now: float,
-    ) -> bool:
-        """Act on a test of one transfer, whose requests at ``completed``
-        completed with ``statuses`` (None: none was left active); whether
-        any did"""
-        if completed and entry.sizes:
-            if wrong := self._wrong_size(completed, statuses, entry.sizes):
-                self.cancel(fut, CommClosedError(wrong))
-                return True
-        # Testsome set the completed requests to MPI_REQUEST_NULL (falsy); it
-        # returns None once none is left active
-        if completed is None or (completed and not any(entry.requests)):
-            del self._transfers[fut]
-            if not fut.done():
-                fut.set_result(None)
-            return True
-        if completed:
-            entry.last = now
-            return True
-        if entry.stall_after and now - entry.last > entry.stall_after:
-            self.cancel(fut, Stalled("MPI delivered nothing"))
-        return False
-
-    def _wrong_size(self, indices, statuses: list, sizes: list[int]) -> str | None:
-        """What is wrong with the receives at ``indices`` that completed with
-        ``statuses``, if one got other than its size"""
-        for index, status in zip(indices, statuses):
-            got = status.Get_count(self.MPI.BYTE)
-            if got != sizes[index]:
-                return f"MPI delivered {got} bytes to a receive of {sizes[index]}"
-        return None
+def wrong_size(MPI, indices, statuses: list, sizes: list[int]) -> str | None:
+    """What is wrong with the receives at ``indices`` that completed with
+    ``statuses``, if one got other than its size in ``sizes``"""
+    for index, status in zip(indices, statuses):
+        got = status.Get_count(MPI.BYTE)
+        if got != sizes[index]:
+            return f"MPI delivered {got} bytes to a receive of {sizes[index]}"
+    return None
 
 
 def cancel_requests(MPI, requests: list) -> None:

@@ -34,13 +34,23 @@ from distributed.comm import mpi_pmi
 
 logger = logging.getLogger(__name__)
 
-_init: concurrent.futures.Future | None = None  # MPI_Init, once started
-_lock = threading.Lock()  # guards _init
-_process: str | None = None  # process_id(), redone after a fork
-_before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
-_skip_finalize: str | None = None  # why MPI_Finalize must not run, if it must not
-_stopped: str | None = None  # why this process calls MPI no more: see stop_mpi
-_session_dirs: set[str] = set()  # Open MPI's, left behind: see _open_mpi_session_dirs
+
+class _ThisProcess:
+    """What this process knows of its MPI, from its start to its exit; its
+    name is redone in a forked child"""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # guards init
+        self.init: concurrent.futures.Future | None = None  # MPI_Init, once started
+        self.name: str | None = None  # process_id()
+        self.before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
+        self.skip_finalize: str | None = None  # why MPI_Finalize must not run
+        self.stopped: str | None = None  # why it calls MPI no more: see stop_mpi
+        # Open MPI's, left behind: see _open_mpi_session_dirs
+        self.session_dirs: set[str] = set()
+
+
+_this = _ThisProcess()
 
 # Warn when MPI_Init waits this long for the other ranks of an mpiexec job
 INIT_WARNING_DELAY = 10
@@ -59,9 +69,8 @@ def start_mpi() -> concurrent.futures.Future:
     scheduler file that the scheduler writes once it listens), so nobody may
     block on it: listeners listen while MPI starts.
     """
-    global _init
-    with _lock:
-        if _init is None:
+    with _this.lock:
+        if _this.init is None:
             try:
                 import mpi4py
             except ImportError as e:
@@ -78,9 +87,11 @@ def start_mpi() -> concurrent.futures.Future:
             mpi_pmi.prepare_environment(MPI)
             if not MPI.Is_initialized():
                 _configure_ucx()
-            _init = concurrent.futures.Future()
-            threading.Thread(target=_run_init, args=(_init,), name="MPI-init").start()
-    return _init
+            _this.init = concurrent.futures.Future()
+            threading.Thread(
+                target=_run_init, args=(_this.init,), name="MPI-init"
+            ).start()
+    return _this.init
 
 
 def _configure_ucx() -> None:
@@ -111,7 +122,7 @@ def _initialize():
         mpi_pmi.initialized()
         if failed:
             raise RuntimeError("MPI_Init_thread failed")
-        _session_dirs.update(_open_mpi_session_dirs(MPI) - before)
+        _this.session_dirs.update(_open_mpi_session_dirs(MPI) - before)
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         atexit.register(_finalize, MPI)
@@ -177,16 +188,16 @@ def _open_mpi_session_dirs(MPI) -> set[str]:
 def _finalize(MPI) -> None:
     if MPI.Is_finalized():
         return
-    for hook in _before_finalize:
-        if _stopped is None:  # a hook may stop it
+    for hook in _this.before_finalize:
+        if _this.stopped is None:  # a hook may stop it
             hook(MPI)
-    if _skip_finalize is not None:
-        logger.debug("Not calling MPI_Finalize: %s", _skip_finalize)
+    if _this.skip_finalize is not None:
+        logger.debug("Not calling MPI_Finalize: %s", _this.skip_finalize)
         return
     mpi_pmi.finalizing()
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     mpi_pmi.finalized()
-    for path in _session_dirs:
+    for path in _this.session_dirs:
         with contextlib.suppress(OSError):
             os.rmdir(path)  # only if empty: not another singleton's, alive
 
@@ -198,10 +209,9 @@ def skip_finalize(reason: str) -> None:
     process manager with the other ranks of the job.  Hydra and MPICH
     singletons take a process that exits with status 0 without it for one
     that ended well; Open MPI's launcher would not."""
-    global _skip_finalize
     MPI = get_mpi()
     if MPI.COMM_WORLD.Get_size() == 1 and MPI.Get_library_version().startswith("MPICH"):
-        _skip_finalize = reason
+        _this.skip_finalize = reason
 
 
 def stop_mpi(reason: str) -> None:
@@ -211,9 +221,8 @@ def stop_mpi(reason: str) -> None:
     memory.  Comms move their data over TCP from then on; MPI_Finalize and
     the hooks before it are left out (MPI_Finalize stays, and may abort this
     process at exit, in a rank of a bigger job: see :func:`skip_finalize`)."""
-    global _stopped
-    if _stopped is None:
-        _stopped = reason
+    if _this.stopped is None:
+        _this.stopped = reason
         logger.warning(
             "%s: this process calls MPI no more (its next call would copy from "
             "the dead process, and abort it), and its comms move their data "
@@ -225,12 +234,12 @@ def stop_mpi(reason: str) -> None:
 
 def mpi_stopped() -> str | None:
     """Why this process calls MPI no more (see :func:`stop_mpi`), if it does not"""
-    return _stopped
+    return _this.stopped
 
 
 def before_finalize(hook: Callable) -> None:
     """Call ``hook(mpi4py.MPI)`` at exit, before MPI_Finalize"""
-    _before_finalize.append(hook)
+    _this.before_finalize.append(hook)
 
 
 async def mpi_ready():
@@ -254,16 +263,13 @@ def get_mpi():
 
 def process_id() -> str:
     """A name for this process, unique across hosts, jobs and forks"""
-    global _process
-    if _process is None:
-        pid = os.getpid()
-        _process = f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}"
-    return _process
+    if _this.name is None:
+        _this.name = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+    return _this.name
 
 
 def _forget_process_id() -> None:
-    global _process
-    _process = None
+    _this.name = None
 
 
 os.register_at_fork(after_in_child=_forget_process_id)

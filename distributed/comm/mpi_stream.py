@@ -63,22 +63,13 @@ class SocketStream:
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
         self._held = b""  # bytes read that nothing took yet: usually none
-        # The memory being filled, how much of it is, and what to do when
-        # it is full (see _landed)
-        self._into: memoryview | None = None
-        self._filled = 0
+        self._framing = _Framing()
         # Before the first read_message: a read_bytes, or read_until_close
         self._raw: asyncio.Future | None = None
         self._discard = False
-        # Messages: memory for frames, the frames of the one being read, the
-        # sizes of those still to read, those complete, and who waits for one
-        self._allocate = None
-        self._message: list | None = None
-        self._sizes: collections.deque = collections.deque()
-        self._messages: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
-        self._unsent: collections.deque = collections.deque()  # memoryviews
-        self._drained: list[asyncio.Future] = []  # wait for _unsent to empty
+        self._messages = self._framing.messages  # complete ones
+        self._waiter: asyncio.Future | None = None  # waits for one
+        self._outbox = _Outbox(sock, self._loop)
         self._closed = False
         self._closing: list[asyncio.Future] = []  # read_until_close
         self._close_callback = None
@@ -114,7 +105,7 @@ class SocketStream:
             self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, value)
 
     def writing(self) -> bool:
-        return bool(self._unsent)
+        return bool(self._outbox)
 
     def write(self, data) -> asyncio.Future:
         """Send ``data`` after what was written before; the future's result
@@ -123,19 +114,15 @@ class SocketStream:
             self._send([ensure_memoryview(data)])
         elif self._closed:
             raise StreamClosedError(self.error)
-        fut = self._loop.create_future()
-        if self._unsent:
-            self._drained.append(fut)
-        else:
-            fut.set_result(None)
-        return fut
+        return self._outbox.drained()
 
     def read_bytes(self, n: int) -> asyncio.Future:
         """The next ``n`` bytes (before any :meth:`read_message`)"""
         if self._closed:
             raise StreamClosedError(self.error)
         fut = self._raw = self._loop.create_future()
-        self._fill(memoryview(bytearray(n)))
+        self._framing.fill(memoryview(bytearray(n)))
+        self._take()
         return fut
 
     def read_until_close(self) -> asyncio.Future:
@@ -154,14 +141,12 @@ class SocketStream:
         if self._closed:
             return
         self._closed, self.error = True, error
+        failed = StreamClosedError(error)
         if not self._loop.is_closed():
             self._read_off()
-            if self._unsent:
-                self._loop.remove_writer(self._fd)
-        self._unsent.clear()
+        self._outbox.close(failed)
         self.socket.close()
-        failed = StreamClosedError(error)
-        for fut in [self._waiter, self._raw, *self._drained]:
+        for fut in [self._waiter, self._raw]:
             if fut is not None and not fut.done():
                 fut.set_exception(failed)
                 fut.exception()  # nobody may wait for it any more
@@ -169,7 +154,7 @@ class SocketStream:
             if not fut.done():
                 fut.set_result(b"")
         self._waiter = self._raw = None
-        self._drained, self._closing = [], []
+        self._closing = []
         if self._close_callback is not None and not self._loop.is_closed():
             self._loop.call_soon(self._close_callback)
 
@@ -178,8 +163,8 @@ class SocketStream:
     async def read_message(self, allocate) -> list:
         """The next message's frames; ``allocate(nbytes)`` gives memory to
         read frames into"""
-        if self._allocate is None:
-            self._allocate = allocate
+        if self._framing.allocate is None:
+            self._framing.allocate = allocate
             self._take()  # what came after the handshake
         if not self._messages:
             if self._closed:
@@ -214,12 +199,10 @@ class SocketStream:
             self._loop.remove_reader(self._fd)
 
     def _readable(self) -> None:
-        into = self._into
         try:
-            if into is not None and into.nbytes - self._filled >= READ_SIZE:
-                # Straight into the frame: no copy
-                n = self.socket.recv_into(into[self._filled :])
-                self._filled += n
+            if (room := self._framing.room()) is not None:
+                n = self.socket.recv_into(room)  # straight into the frame
+                self._framing.filled += n
                 data = None
             else:
                 data = _scratch()
@@ -235,10 +218,6 @@ class SocketStream:
             return
         self._take(data)
 
-    def _fill(self, into: memoryview) -> None:
-        self._into, self._filled = into, 0
-        self._take()
-
     def _take(self, data: memoryview | None = None) -> None:
         """Take what was held back, then ``data`` (which is only lent), into
         the memory being filled, starting each next frame and message; hold
@@ -248,38 +227,85 @@ class SocketStream:
         elif data is None:
             data = memoryview(b"")
         try:
-            taken = self._take_from(data)
+            taken = self._framing.take(data, lambda: self._closed)
         except Exception as e:  # garbage for frame sizes; no memory for them
             self.close(e)
             return
+        if self._discard:
+            taken = data.nbytes  # read_until_close: what nothing took goes
         self._held = bytes(data[taken:]) if taken < data.nbytes else b""
-        if len(self._held) >= READ_SIZE:
-            self._read_off()
+        if (raw := self._framing.raw) is not None:
+            fut, self._raw, self._framing.raw = self._raw, None, None
+            if fut is not None and not fut.done():
+                fut.set_result(bytes(raw))
+        if self._messages:
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        if len(self._held) >= READ_SIZE or len(self._messages) >= _BACKLOG:
+            self._read_off()  # nothing takes what comes
         else:
             self._read_on()
 
-    def _take_from(self, data: memoryview) -> int:
-        """How many bytes of ``data`` were taken"""
+    # -- writing ----------------------------------------------------------
+
+    def _send(self, views: list) -> None:
+        if self._closed:
+            raise StreamClosedError(self.error)
+        try:
+            self._outbox.send(views, self.close)
+        except OSError as e:
+            self.close(e)
+            raise StreamClosedError(e) from e
+
+
+class _Framing:
+    """What a socket gives, parsed into messages framed as ``tcp://`` frames
+    them, each frame landing in memory from ``allocate``; before that is
+    set, into the memory a read_bytes asks for"""
+
+    def __init__(self):
+        self.allocate = None
+        self.raw: memoryview | None = None  # a read_bytes' memory, once full
+        self.messages: collections.deque = collections.deque()  # complete
+        # The memory being filled, and how much of it is
+        self.into: memoryview | None = None
+        self.filled = 0
+        # The frames of the message being read, the sizes of those to come
+        self._message: list | None = None
+        self._sizes: collections.deque = collections.deque()
+
+    def fill(self, into: memoryview) -> None:
+        self.into, self.filled = into, 0
+
+    def room(self) -> memoryview | None:
+        """Where a read may go straight, if a frame has a read's worth left
+        to fill"""
+        into = self.into
+        if into is not None and into.nbytes - self.filled >= READ_SIZE:
+            return into[self.filled :]
+        return None
+
+    def take(self, data: memoryview, stop) -> int:
+        """How many bytes of ``data`` were taken, until ``stop()``"""
         at, end = 0, data.nbytes
-        while not self._closed:
-            into = self._into
+        while not stop():
+            into = self.into
             if into is not None:
-                n = min(into.nbytes - self._filled, end - at)
+                n = min(into.nbytes - self.filled, end - at)
                 if n:
-                    into[self._filled : self._filled + n] = data[at : at + n]
+                    into[self.filled : self.filled + n] = data[at : at + n]
                     at += n
-                    self._filled += n
-                if self._filled < into.nbytes:
+                    self.filled += n
+                if self.filled < into.nbytes:
                     break
-                self._into = None
+                self.into = None
                 self._landed(into)
-            elif self._allocate is not None and end - at >= 8:
+            elif self.allocate is not None and end - at >= 8:
                 (size,) = _SIZE.unpack_from(data, at)
                 at += 8
-                self._into, self._filled = self._allocate(size), 0
+                self.into, self.filled = self.allocate(size), 0
             else:
-                if self._discard:
-                    at = end
                 break
         return at
 
@@ -287,10 +313,8 @@ class SocketStream:
         """``into`` is full: the bytes a read_bytes asked for, the first part
         of a message (its frames' sizes, and its first frames), or its next
         frame"""
-        if self._allocate is None:
-            fut, self._raw = self._raw, None
-            if fut is not None and not fut.done():
-                fut.set_result(bytes(into))
+        if self.allocate is None:
+            self.raw = into
             return
         if self._message is None:
             self._message, sizes = unpack_frames(into, partial=True)
@@ -298,37 +322,65 @@ class SocketStream:
         else:
             self._message.append(into)
         if self._sizes:
-            self._into, self._filled = self._allocate(self._sizes.popleft()), 0
+            self.into, self.filled = self.allocate(self._sizes.popleft()), 0
             return
-        self._messages.append(self._message)
+        self.messages.append(self._message)
         self._message = None
-        if len(self._messages) >= _BACKLOG:
-            self._read_off()
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
-    # -- writing ----------------------------------------------------------
 
-    def _send(self, views: list) -> None:
-        if self._closed:
-            raise StreamClosedError(self.error)
+class _Outbox:
+    """What was written to a non-blocking socket: sent at once as far as the
+    socket takes it, the rest when the event loop finds it writable"""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self._socket = sock
+        self._loop = loop
+        self._fd = sock.fileno()
+        self._unsent: collections.deque = collections.deque()  # memoryviews
+        self._drained: list[asyncio.Future] = []  # wait for _unsent to empty
+        self._fail = None  # (error): the stream closes
+
+    def __bool__(self) -> bool:
+        return bool(self._unsent)
+
+    def drained(self) -> asyncio.Future:
+        """A future that is done once everything written so far is sent"""
+        fut = self._loop.create_future()
+        if self._unsent:
+            self._drained.append(fut)
+        else:
+            fut.set_result(None)
+        return fut
+
+    def send(self, views: list, fail) -> None:
+        """Send ``views`` after what waits; raises OSError if the socket
+        fails now, and calls ``fail(error)`` if it fails later"""
         if self._unsent:  # after what waits
             self._unsent.extend(views)
             return
         try:
             if len(views) == 1:
-                n = self.socket.send(views[0])
+                n = self._socket.send(views[0])
             else:
-                n = self.socket.sendmsg(views[:_IOV_MAX])
+                n = self._socket.sendmsg(views[:_IOV_MAX])
         except (BlockingIOError, InterruptedError):
             n = 0
-        except OSError as e:
-            self.close(e)
-            raise StreamClosedError(e) from e
         self._unsent.extend(views)
         if self._sent(n):
+            self._fail = fail
             self._loop.add_writer(self._fd, self._writable)
+
+    def close(self, failed: BaseException) -> None:
+        """The socket closes: drop what was not sent; fail those waiting"""
+        if self._unsent and not self._loop.is_closed():
+            self._loop.remove_writer(self._fd)
+        self._unsent.clear()
+        self._fail = None
+        drained, self._drained = self._drained, []
+        for fut in drained:
+            if not fut.done():
+                fut.set_exception(failed)
+                fut.exception()  # nobody may wait for it any more
 
     def _sent(self, n: int) -> bool:
         """Drop ``n`` bytes sent; whether some are left to send"""
@@ -341,15 +393,16 @@ class SocketStream:
 
     def _writable(self) -> None:
         try:
-            n = self.socket.sendmsg(list(itertools.islice(self._unsent, _IOV_MAX)))
+            n = self._socket.sendmsg(list(itertools.islice(self._unsent, _IOV_MAX)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self.close(e)
+            self._fail(e)
             return
         if self._sent(n):
             return
         self._loop.remove_writer(self._fd)
+        self._fail = None
         drained, self._drained = self._drained, []
         for fut in drained:
             if not fut.done():
