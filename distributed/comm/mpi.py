@@ -48,6 +48,7 @@ from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_handshake import Peer
+from distributed.comm.mpi_head import Head
 from distributed.comm.mpi_opener import opener
 from distributed.comm.mpi_progress import Stalled
 from distributed.comm.mpi_routes import ORDER, Message, Route
@@ -65,54 +66,6 @@ from distributed.comm.utils import from_frames, to_frames
 from distributed.utils import ensure_memoryview, wait_for
 
 logger = logging.getLogger(__name__)
-
-
-class Head(NamedTuple):
-    """The first frame of a message some of whose frames take a route of
-    their own (see ``distributed.comm.mpi_routes``), or whose writer wants a
-    channel opened: which frames, which route each takes, on which channel
-    and tag.  The message's other frames follow it on the socket, in order.
-    Other messages go as ``tcp://`` writes them: their first frame is
-    msgpack, which never starts with the byte that a head starts with."""
-
-    want_channel: bool
-    channel: int  # Channel.id; 0 if no frame takes a route
-    tag: int
-    # index, size, route code, and what the route says of it (an address)
-    frames: list[tuple[int, int, int, int]]
-    lease: tuple[int, int] = (0, 0)  # of the copied frames: mpi_copy.Lease.head
-    extra: bytes = b""  # what routes say beyond a word (IPC handles)
-
-    MARK = 0xC1  # "never used" in msgpack
-    # MARK, flags, len(frames), channel, tag, lease, len(extra)
-    _FIXED = struct.Struct("<BBxxIQIQQI")
-    _FRAME = struct.Struct("<IQBQ")
-
-    def pack(self) -> bytes:
-        fixed = self._FIXED.pack(
-            self.MARK,
-            self.want_channel,
-            len(self.frames),
-            self.channel,
-            self.tag,
-            *self.lease,
-            len(self.extra),
-        )
-        frames = [self._FRAME.pack(*frame) for frame in self.frames]
-        return b"".join([fixed, *frames, self.extra])
-
-    @classmethod
-    def unpack(cls, data) -> Head:
-        _, want, n, channel, tag, *lease, extra = cls._FIXED.unpack_from(data)
-        frames = [
-            cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
-            for i in range(n)
-        ]
-        start = cls._FIXED.size + n * cls._FRAME.size
-        if len(data) != start + extra:
-            raise struct.error("a head of another length than it says")
-        extra = bytes(data[start:])
-        return cls(bool(want), channel, tag, frames, tuple(lease), extra)
 
 
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()

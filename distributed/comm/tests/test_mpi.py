@@ -39,7 +39,7 @@ from distributed.comm import (
 from distributed.comm import mpi_buffers, mpi_handshake, mpi_policy, mpi_startup
 from distributed.comm import mpi_stream
 from distributed.comm.core import FatalCommClosedError
-from distributed.comm.mpi import Head
+from distributed.comm.mpi_head import Head
 from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL, Peer
 from distributed.comm.mpi_liveness import LocalPeer, hung_up
 from distributed.comm.registry import backends
