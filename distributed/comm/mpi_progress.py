@@ -209,8 +209,10 @@ class Waited:
         keeps polling without sleeping while data flows."""
         before_mpi()
         entries = list(self.entries.items())
-        if len(entries) <= 1:
-            return any([self.test_one(*entry, now) for entry in entries])
+        if not entries:  # their senders died
+            return False
+        if len(entries) == 1:
+            return self.test_one(*entries[0], now)
         requests, starts = [], []  # where each transfer's requests start
         for _, entry in entries:
             starts.append(len(requests))
@@ -350,8 +352,9 @@ class ProgressEngine:
             raise
         statuses = [] if sizes else None
         if self.MPI.Request.Testall(requests, statuses):
-            every = range(len(sizes or ()))
-            if wrong := sizes and wrong_size(self.MPI, every, statuses, sizes):
+            if sizes and (
+                wrong := wrong_size(self.MPI, range(len(sizes)), statuses, sizes)
+            ):
                 fut.set_exception(CommClosedError(wrong))
             else:
                 fut.set_result(None)

@@ -227,7 +227,8 @@ class SocketStream:
         elif data is None:
             data = memoryview(b"")
         try:
-            taken = self._framing.take(data, lambda: self._closed)
+            # Nothing is taken once closed; nothing in take() closes it
+            taken = 0 if self._closed else self._framing.take(data)
         except Exception as e:  # garbage for frame sizes; no memory for them
             self.close(e)
             return
@@ -286,10 +287,10 @@ class _Framing:
             return into[self.filled :]
         return None
 
-    def take(self, data: memoryview, stop) -> int:
-        """How many bytes of ``data`` were taken, until ``stop()``"""
+    def take(self, data: memoryview) -> int:
+        """How many bytes of ``data`` were taken"""
         at, end = 0, data.nbytes
-        while not stop():
+        while True:
             into = self.into
             if into is not None:
                 n = min(into.nbytes - self.filled, end - at)
