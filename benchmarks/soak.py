@@ -73,19 +73,11 @@ def _registries():
     mod = sys.modules.get("distributed.comm.mpi_channel")
     if mod is None:
         return None
-    channels = mod.channels
     opener = sys.modules["distributed.comm.mpi_opener"].opener
-    registries = [(channels, ["_open", "_by_id", "_unreachable", "_jobs"])]
-    registries += [(opener, ["_opening", "_ports"])]
-    sizes = {
-        name.strip("_"): len(getattr(registry, name))
-        for registry, names in registries
-        for name in names
-    }
+    engines = sys.modules["distributed.comm.mpi_progress"].ProgressEngine
+    sizes = {**mod.channels.sizes(), **opener.sizes()}
     # The progress engines' transfers in flight, and abandoned ones
-    engines = sys.modules["distributed.comm.mpi_progress"].ProgressEngine._engines
-    for key, name in [("transfers", "_waited"), ("orphans", "_orphans")]:
-        sizes["engine_" + key] = sum(len(getattr(e, name)) for e in engines.values())
+    sizes.update({"engine_" + k: n for k, n in engines.sizes().items()})
     return sizes
 
 

@@ -93,8 +93,8 @@ class Channel:
         self.gpu = policy.gpu_path(peer)  # how device frames travel
         self.routes = Routes(self)
         # The largest tag is the greeting's (see greet)
-        self._greeting = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        self._ntags = self._greeting // 2
+        self.greeting_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self._ntags = self.greeting_tag // 2
         # Each end tags from its own half of the tag space.  MPI reuses the
         # context of a freed communicator for a new one, which then matches
         # messages left unreceived on the old one: tags start anywhere.
@@ -122,8 +122,8 @@ class Channel:
         if self.sender is not None and self.sender.died():
             raise CommClosedError("the peer process died")  # MPI may copy at once
         requests = [
-            self.comm.Irecv([theirs, MPI.BYTE], self.rank, self._greeting),
-            self.comm.Isend([mine, MPI.BYTE], self.rank, self._greeting),
+            self.comm.Irecv([theirs, MPI.BYTE], self.rank, self.greeting_tag),
+            self.comm.Isend([mine, MPI.BYTE], self.rank, self.greeting_tag),
         ]
         deadline = time.monotonic() + timeout
         # Before each call into MPI, which may copy from the peer: is it alive?
@@ -161,6 +161,15 @@ class Channels:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def sizes(self) -> dict[str, int]:
+        """How much each of its collections holds: none may grow for good"""
+        return {
+            "open": len(self._open),
+            "by_id": len(self._by_id),
+            "unreachable": len(self._unreachable),
+            "jobs": len(self._jobs),
+        }
 
     def get(self, peer: str) -> Channel | None:
         """The open channel to process ``peer`` (to this process: once
@@ -335,7 +344,7 @@ class Channels:
         """Whether this process may connect to a process of ``job`` with MPI"""
         if job in self._jobs or len(self._jobs) < MAX_JOBS:
             return True
-        _warn_full()
+        _warn_full(MAX_JOBS)
         return False
 
     def may_open(self, peer: Peer) -> bool:
@@ -427,13 +436,13 @@ def _released_by_peer(channel: Channel) -> bool:
     return channel.link is not None and handshake.peer_gone(channel.link[0])
 
 
-@functools.cache
-def _warn_full() -> None:
+@functools.cache  # once for each limit
+def _warn_full(limit: int) -> None:
     logger.warning(
         "This process has connected to %d MPI jobs, the most that MPICH "
         "allows one process: comms with processes of new jobs (workers "
         "started by mpiexec -n 1, or without mpiexec) use TCP",
-        MAX_JOBS,
+        limit,
     )
 
 

@@ -80,7 +80,7 @@ MEET_GRACE = 30
 # MPICH 5.0 with UCX leaves the receive of an accept or connect that failed
 # posted (see Opener.open_port), and the peer's late message unmatched:
 # UCX warns of both at MPI_Finalize
-_MEET_FAILED = "an MPI_Comm_accept or MPI_Comm_connect of this process failed"
+MEET_FAILED = "an MPI_Comm_accept or MPI_Comm_connect of this process failed"
 
 
 class _AcceptorGaveUp(CommClosedError):
@@ -95,6 +95,10 @@ class Opener:
         self._lock = threading.Lock()  # for the two below: any thread
         self._opening: dict[str, asyncio.Task] = {}  # by peer process
         self._ports: dict[str, str] = {}  # open_port()'s, as MPI opened them
+
+    def sizes(self) -> dict[str, int]:
+        """How many channels it is opening, and ports it holds open"""
+        return {"opening": len(self._opening), "ports": len(self._ports)}
 
     def may_accept(self, peer: Peer) -> bool:
         """Whether to open the channel that the process of this hello came
@@ -187,7 +191,7 @@ class Opener:
             else:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
-                comm, rank = self._meet(port, accepts, timeout), 0
+                comm, rank = self.meet(port, accepts, timeout), 0
                 self.channels.met(peer.job)  # MPICH counts it now
             channel = Channel(id, peer, comm, rank, accepts)
             self.channels.add(channel)  # before any message head can name it
@@ -228,7 +232,7 @@ class Opener:
         self.channels.give_up_on(process)
         return None
 
-    def _meet(self, port: str, accepts: bool, timeout: float):
+    def meet(self, port: str, accepts: bool, timeout: float):
         """Accept on ``port``, or connect to it; give up after ``timeout``
         seconds (MPICH honours it; a peer that died in between would block
         this process forever otherwise)"""
@@ -247,7 +251,7 @@ class Opener:
                 return MPI.COMM_SELF.Accept(port, info)
             return MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception:
-            skip_finalize(_MEET_FAILED)
+            skip_finalize(MEET_FAILED)
             raise
         finally:
             watchdog.cancel()

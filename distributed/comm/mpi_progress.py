@@ -425,6 +425,16 @@ class ProgressEngine:
         """How many transfers and abandoned ones are not complete"""
         return len(self._waited) + len(self._orphans)
 
+    @classmethod
+    def sizes(cls) -> dict[str, int]:
+        """The transfers someone waits for, and abandoned ones, over every
+        loop's engine"""
+        engines = list(cls._engines.values())
+        return {
+            "transfers": sum(len(e._waited) for e in engines),
+            "orphans": sum(len(e._orphans) for e in engines),
+        }
+
     def in_flight(self) -> list[tuple[list, Any, LocalPeer | None]]:
         """The requests not complete, their buffers, and the peer on this
         host they receive from (None for sends and abandoned transfers)"""

@@ -52,7 +52,7 @@ def opening() -> int:
     """How many MPI channels this worker is opening (run on workers)"""
     from distributed.comm.mpi_opener import opener
 
-    return len(opener._opening)
+    return opener.sizes()["opening"]
 
 
 def wait_for_channels(client: Client, timeout: float = 60) -> None:

@@ -183,7 +183,7 @@ async def serve(path):
 def late_for_ports() -> None:
     """Read the port of each channel this process connects 2.5 s late, its
     event loop busy meanwhile, and say so if it calls MPI_Comm_connect"""
-    recv, meet = mpi_handshake.recv, mpi_opener.Opener._meet
+    recv, meet = mpi_handshake.recv, mpi_opener.Opener.meet
 
     async def recv_late(stream):
         msg = await recv(stream)
@@ -196,7 +196,7 @@ def late_for_ports() -> None:
             print("MPI_Comm_connect called", flush=True)
         return meet(self, port, accepts, timeout)
 
-    mpi_handshake.recv, mpi_opener.Opener._meet = recv_late, meet_and_say
+    mpi_handshake.recv, mpi_opener.Opener.meet = recv_late, meet_and_say
 
 
 async def serve_late(path):
@@ -256,7 +256,7 @@ async def port(path):
     await mpi_startup.mpi_ready()
     write(path, mpi_opener.opener.open_port())
     # As an acceptor that gave up: connects to the port stay unmatched
-    mpi_startup.skip_finalize(mpi_opener._MEET_FAILED)
+    mpi_startup.skip_finalize(mpi_opener.MEET_FAILED)
     await asyncio.Event().wait()  # until killed
 
 
@@ -265,7 +265,7 @@ async def ping_after_timeout(path, address):
     with open(path) as f:
         port = f.read()
     try:
-        mpi_opener.opener._meet(port, accepts=False, timeout=1)
+        mpi_opener.opener.meet(port, accepts=False, timeout=1)
     except MPI.Exception:
         print("connect timed out", flush=True)
     await ping(address)
@@ -279,7 +279,7 @@ async def stuck_connect(path):
         port = f.read()
     mpi_opener.MEET_GRACE = -1.5  # 0.5 s into a connect that times out at 2 s
     try:
-        mpi_opener.opener._meet(port, accepts=False, timeout=2)
+        mpi_opener.opener.meet(port, accepts=False, timeout=2)
     finally:
         print("connect returned", flush=True)
 
@@ -287,10 +287,8 @@ async def stuck_connect(path):
 async def ping_astray(path, address):
     with open(path) as f:
         astray = f.read()
-    meet = mpi_opener.opener._meet
-    mpi_opener.opener._meet = lambda port, accepts, timeout: meet(
-        astray, False, timeout
-    )
+    meet = mpi_opener.opener.meet
+    mpi_opener.opener.meet = lambda port, accepts, timeout: meet(astray, False, timeout)
     await ping(address)
     await ping(address)
 
@@ -299,7 +297,7 @@ async def ping_without_greeting(address):
     def greet(channel, timeout):
         """Receives the peer's greeting, and sends none"""
         MPI, theirs = mpi_startup.get_mpi(), bytearray(mpi_channel.GREETING)
-        channel.comm.Recv([theirs, MPI.BYTE], channel.rank, channel._greeting)
+        channel.comm.Recv([theirs, MPI.BYTE], channel.rank, channel.greeting_tag)
 
     mpi_channel.Channel.greet = greet
     await ping(address)
@@ -309,7 +307,7 @@ async def receive_from_the_dying(path):
     MPI = await mpi_startup.mpi_ready()
     write(path, mpi_opener.opener.open_port())
     with open(path) as f:
-        comm = mpi_opener.opener._meet(f.read(), accepts=True, timeout=60)
+        comm = mpi_opener.opener.meet(f.read(), accepts=True, timeout=60)
     comm.Recv([bytearray(1), MPI.BYTE], 0, 6)
     while not os.path.exists(path + ".sender"):
         await asyncio.sleep(0.01)
@@ -337,7 +335,7 @@ async def send_and_die(path):
     while not os.path.exists(path):
         await asyncio.sleep(0.01)
     with open(path) as f:
-        comm = mpi_opener.opener._meet(f.read(), accepts=False, timeout=60)
+        comm = mpi_opener.opener.meet(f.read(), accepts=False, timeout=60)
     comm.Send([b"x", MPI.BYTE], 0, 6)  # UCX connects the two
     data = np.ones(2**26, "u1")
     request = comm.Isend([data, MPI.BYTE], 0, 7)

@@ -175,10 +175,10 @@ def known_mpi_crash(output: str) -> str | None:
     "Failure modes")"""
     if re.search(r"process_vm_readv\(pid=\d+ .* No such process", output):
         return "UCX aborted a worker whose direct read (CMA) from the killed one failed"
-    meet_crashed = r"Segmentation fault.*mpi_channel\.py\", line \d+ in _meet\n"
+    meet_crashed = r"Segmentation fault.*mpi_opener\.py\", line \d+ in meet\n"
     if re.search(meet_crashed, output, re.S):
         return "MPI_Comm_accept or MPI_Comm_connect crashed opening a channel"
-    send_crashed = r"Segmentation fault.*mpi\.py\", line \d+ in _write_over_mpi\n"
+    send_crashed = r"Segmentation fault.*mpi_transfers\.py\", line \d+ in post\n"
     if re.search(send_crashed, output, re.S):
         return "MPI_Isend crashed: the worker it sent to, on another host, had died"
     if "MPI is stuck (MPICH with UCX can spin for good" in output:

@@ -504,7 +504,7 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
     here: which one connects depends on their ids"""
     # As they are now, after the test
     monkeypatch.setattr(mpi_handshake, "recv", mpi_handshake.recv)
-    monkeypatch.setattr(mpi_opener.Opener, "_meet", mpi_opener.Opener._meet)
+    monkeypatch.setattr(mpi_opener.Opener, "meet", mpi_opener.Opener.meet)
     late_for_ports()
     path = str(tmp_path / "address")
     timeout = ["-env", "DASK_DISTRIBUTED__COMM__MPI__CHANNEL_TIMEOUT", "1s"]
@@ -682,8 +682,7 @@ async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkey
     """MPICH aborts a process that connects to its 1024th job: past
     MAX_JOBS, processes of new jobs are met over TCP, with one warning"""
     address, _ = server
-    monkeypatch.setattr(mpi_channel, "MAX_JOBS", len(mpi_channel.channels._jobs))
-    mpi_channel._warn_full.cache_clear()
+    monkeypatch.setattr(mpi_channel, "MAX_JOBS", mpi_channel.channels.sizes()["jobs"])
     with captured_logger("distributed.comm.mpi_channel") as log:
         for _ in range(2):
             comm = await connect(address)
