@@ -11,6 +11,7 @@ A hello that says ``"open"`` asks for an MPI channel instead of a comm (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import struct
@@ -31,15 +32,11 @@ class Refused(ValueError):
     """A peer that cannot talk to this process over MPI"""
 
 
-_refusals: set[str] = set()  # logged already
-
-
+@functools.cache  # once for each message
 def log_refusal(message: str) -> None:
     """Log why MPI cannot connect two processes, once: a refused worker
     retries for good, saying only that it waits for its scheduler"""
-    if message not in _refusals:
-        _refusals.add(message)
-        logger.warning(message)
+    logger.warning(message)
 
 
 async def send(stream, msg: dict) -> None:

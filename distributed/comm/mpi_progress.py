@@ -42,9 +42,6 @@ from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_liveness import LocalPeer, death_watch
 from distributed.comm.mpi_startup import config, get_mpi, mpi_stopped, stop_mpi
 
-# What the engines of collected loops left in flight
-_left: list[tuple[list, Any, LocalPeer | None]] = []
-
 
 class Stalled(CommClosedError):
     """A receive to which MPI delivered nothing for ``stall-timeout``"""
@@ -288,6 +285,8 @@ class ProgressEngine:
     """Tests the MPI requests of one event loop while any is pending"""
 
     _engines: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+    # What the engines of collected loops left in flight
+    _left: ClassVar[list[tuple[list, Any, LocalPeer | None]]] = []
 
     @classmethod
     def current(cls) -> ProgressEngine:
@@ -446,10 +445,10 @@ class ProgressEngine:
             for requests, keepalive, _, sender in self._orphans.entries
         ]
 
-    def __del__(self, left=_left):  # bound now: at shutdown, globals are None
+    def __del__(self):  # at shutdown, globals may be None: no module names
         # Its loop is gone, but MPI may still use the buffers: the exit drain
         # completes what is left (see mpi_channel.Channels.drain)
-        left.extend(entry for entry in self.in_flight() if any(entry[0]))
+        self._left.extend(entry for entry in self.in_flight() if any(entry[0]))
 
     def wake(self) -> None:
         """Poll soon: something was posted"""
@@ -523,7 +522,7 @@ def left_in_flight() -> list[tuple[list, Any, LocalPeer | None]]:
     """At exit: what the engines of loops that stopped left in flight (see
     :meth:`ProgressEngine.in_flight`); engines of loops still running in other
     threads test their own"""
-    left = list(_left)
+    left = list(ProgressEngine._left)
     for loop, engine in list(ProgressEngine._engines.items()):
         if not loop.is_running():
             left += engine.in_flight()
