@@ -5,7 +5,8 @@ connection (between processes of one host and user, a Unix socket, which
 delivers sooner and takes less CPU) that carries each message's head, and its
 small frames whole, as ``tcp://`` does: the kernel wakes the reader when a
 message arrives, and nothing polls MPI while no data moves.  Frames of at least
-``inline-size`` take one of the routes of the MPI channel between the two
+``inline-size`` (on a Unix socket, host frames of at least ``local-inline-size``)
+take one of the routes of the MPI channel between the two
 processes (see ``distributed.comm.mpi_channel`` and
 ``distributed.comm.mpi_routes``): over MPI in ``chunk-size`` pieces, or
 copied by the reader straight from the writer's memory on one host.  The
