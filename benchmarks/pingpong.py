@@ -33,9 +33,12 @@ HERE = os.path.abspath(__file__)
 
 
 def sizes(quick: bool, top: int | None = None) -> list[int]:
-    """Powers of 4 up to ``top`` (default: 16 MiB quick, else 128 MiB)"""
-    top = top or (2**24 if quick else 2**27)
-    return sorted({4**k for k in range(20) if 4**k <= top} | {top})
+    """Powers of 4 up to ``top`` (default: 16 MiB quick, else 1 GiB), and
+    every power of 2 from 256 KiB to 16 MiB, where Dask's chunks and shards
+    are and where the routes change"""
+    top = top or (2**24 if quick else 2**30)
+    band = {2**k for k in range(18, 25)}  # 256 KiB to 16 MiB
+    return sorted({n for n in {4**k for k in range(20)} | band if n <= top} | {top})
 
 
 def repetitions(size: int, quick: bool, budget: int = 2**26) -> int:

@@ -5,7 +5,8 @@ connection (between processes of one host and user, a Unix socket, which
 delivers sooner and takes less CPU) that carries each message's head, and its
 small frames whole, as ``tcp://`` does: the kernel wakes the reader when a
 message arrives, and nothing polls MPI while no data moves.  Frames of at least
-``inline-size`` take one of the routes of the MPI channel between the two
+``inline-size`` (on a Unix socket, host frames of at least ``local-inline-size``)
+take one of the routes of the MPI channel between the two
 processes (see ``distributed.comm.mpi_channel`` and
 ``distributed.comm.mpi_routes``): over MPI in ``chunk-size`` pieces, or
 copied by the reader straight from the writer's memory on one host.  The
@@ -27,6 +28,7 @@ always travel over MPI: see ``distributed.comm.mpi_gpu``.
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 import weakref
 from typing import NamedTuple
@@ -78,6 +80,7 @@ class _Link(NamedTuple):
     dial: str | None  # the peer's listener, when this end dialled it
     gpu: str | None  # how device frames travel (mpi_policy.gpu_path)
     inline_size: int  # smaller frames travel on TCP
+    host_inline_size: int  # smaller host frames too (on a Unix socket, more)
     chunk_size: int  # larger frames travel in pieces of this size
 
 
@@ -121,12 +124,14 @@ async def _handshake(stream, dial: str | None = None) -> _Link | None:
         # Receives must match sends: both ends cut frames alike, whatever
         # each one's configuration says
         chunk_size = min(chunk_size, peer.chunk_size)
+    inline_size = parse_bytes(config("inline-size"))
+    host_inline_size = inline_size
+    if stream.socket.family == socket.AF_UNIX:
+        # Its two copies, made by the two processes at once, beat one copy
+        # from the writer's memory up to a few MiB (docs/mpi-design.rst)
+        host_inline_size = max(inline_size, parse_bytes(config("local-inline-size")))
     return _Link(
-        peer,
-        dial,
-        policy.gpu_path(peer),
-        parse_bytes(config("inline-size")),
-        chunk_size,
+        peer, dial, policy.gpu_path(peer), inline_size, host_inline_size, chunk_size
     )
 
 
@@ -301,7 +306,9 @@ class MPI(TCP):
                 break
         else:
             return self.write_frames(frames)
-        large = _large_frames(frames, link.inline_size)
+        large = _large_frames(frames, link)
+        if not large:
+            return self.write_frames(frames)
         channel = channel or channels.get(link.peer.process)
         if channel is None:
             if link.dial:
@@ -397,9 +404,14 @@ class MPI(TCP):
                 channels.release(channel)
 
 
-def _large_frames(frames: list, inline_size: int) -> list[int]:
-    """The indices of the frames that travel over MPI"""
-    return [i for i, frame in enumerate(frames) if _size(frame) >= inline_size]
+def _large_frames(frames: list, link: _Link) -> list[int]:
+    """The indices of the frames that take a route of the MPI channel"""
+    return [
+        i
+        for i, frame in enumerate(frames)
+        if (size := _size(frame)) >= link.host_inline_size
+        or (size >= link.inline_size and mpi_gpu.is_device(frame))
+    ]
 
 
 def _size(frame) -> int:

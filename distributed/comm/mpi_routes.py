@@ -1,7 +1,8 @@
 """The routes a large frame of an mpi:// comm can take between two processes.
 
 Frames below ``inline-size`` travel on the comm's socket, after the message's
-head.  Each larger frame takes one of the routes of the channel between the
+head (host frames below ``local-inline-size`` too, where that socket is a Unix
+socket, between processes of one host).  Each larger frame takes one of the routes of the channel between the
 two processes (:class:`Routes`), which the writer picks and names in the
 head, so that the reader takes it too:
 

@@ -206,7 +206,7 @@ async def serve_late(path):
 
 async def flood(address, path):
     comm = await connect(address)
-    array = np.arange(300_000)
+    array = np.arange(600_000)
     while comm.channel is None:
         await comm.write({"op": "sum", "x": to_serialize(array)})
         await comm.read()
@@ -222,7 +222,7 @@ async def flood(address, path):
 async def ask_device(address, path, size):
     comm = await connect(address)
     while comm.channel is None:  # until host frames are copied both ways
-        await comm.write({"op": "echo", "x": to_serialize(np.zeros(2**17))})
+        await comm.write({"op": "echo", "x": to_serialize(np.zeros(2**19))})
         await comm.read()
         await asyncio.sleep(0.05)
     await comm.write({"op": "device", "x": [], "make": [(int(size), 0)]})

@@ -308,11 +308,11 @@ async def test_comms_on_one_host_use_the_listeners_unix_socket():
                 assert comm.stream.socket.family == family
                 assert comm.same_host
                 assert comm.peer_address.startswith("mpi://")
-                for msg in [{"op": "ping"}, {"x": to_serialize(np.arange(300_000))}]:
+                for msg in [{"op": "ping"}, {"x": to_serialize(np.arange(600_000))}]:
                     await comm.write(msg)
                     got = await comm.read()
                     assert got.keys() == msg.keys()
-                assert (got["x"] == np.arange(300_000)).all()
+                assert (got["x"] == np.arange(600_000)).all()
                 assert comm.channel is not None  # the array went over MPI
             assert accepted[0].stream.socket.family == socket.AF_UNIX
             # Room for as much as TCP holds, as far as Linux allows
@@ -329,6 +329,29 @@ async def test_comms_on_one_host_use_the_listeners_unix_socket():
         with socket.socket(socket.AF_UNIX) as sock, pytest.raises(OSError):
             sock.connect(f"\0distributed-mpi:{host}:{port}")
     assert not log.getvalue()  # no keepalive asked of a Unix socket
+
+
+@gen_test()
+async def test_host_frames_below_local_inline_size_stay_on_a_unix_socket():
+    """On a Unix socket, host frames below local-inline-size travel with
+    their message, larger ones take the channel; on TCP, from inline-size"""
+    async with listen("mpi://127.0.0.1:0", echo) as listener:
+        _, port = get_address_host_port(listener.contact_address)
+        unix, tcp = listener.contact_address, f"mpi://localhost:{port}"
+        for address, size, routed, config in [
+            (unix, 2**21, False, {}),  # the defaults: 4 MiB, inline-size 1 MiB
+            (unix, 2**22 - 1, False, {}),
+            (unix, 2**22, True, {}),
+            (tcp, 2**20, True, {}),
+            (unix, 2**21, True, {"distributed.comm.mpi.local-inline-size": "1MiB"}),
+        ]:
+            with dask.config.set(config):  # read by the handshake
+                comm = await connect(address)
+            sent = np.arange(size, dtype="u1")
+            await comm.write({"x": to_serialize(sent)})
+            np.testing.assert_array_equal((await comm.read())["x"], sent)
+            assert (comm.channel is not None) == routed, (address, size)
+            await comm.close()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run as another user")
@@ -428,7 +451,7 @@ async def test_no_frame_is_sent_over_mpi_to_a_peer_that_hung_up():
     async with comm_pair() as (comm, peer):
         await peer.close()
         with pytest.raises(CommClosedError, match="closed the connection"):
-            await comm.write(to_serialize(np.ones(2**21, "u1")))  # over MPI
+            await comm.write(to_serialize(np.ones(2**22, "u1")))  # over MPI
         assert comm.closed()
 
 

@@ -282,8 +282,8 @@ async def test_a_channel_released_at_one_end_is_released_at_the_other(
     await idle.close()
     await async_poll_for(lambda: mpi_channel.channels.by_id(channel.id) is None, 5)
     comm = await connect(address)
-    await comm.write({"op": "ones", "size": 4_000_000})
-    assert (await comm.read())["x"].sum() == 4_000_000
+    await comm.write({"op": "ones", "size": 8_000_000})
+    assert (await comm.read())["x"].sum() == 8_000_000
     await comm.close()
 
 
@@ -313,7 +313,7 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
             while True:
                 await comm.write(await comm.read())
 
-    large = to_serialize(np.ones(4_000_000, "u1"))
+    large = to_serialize(np.ones(8_000_000, "u1"))
     async with listen("mpi://127.0.0.1:0", echo) as listener:
         for i in range(3):  # each pair crosses in its own way
             path = str(tmp_path / f"address-{i}")
@@ -321,7 +321,7 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
                 comm = await connect(wait_for_file(path, proc))
                 peer = comm.peer.process
                 cross = {"op": "cross", "address": listener.contact_address}
-                await comm.write({**cross, "size": 4_000_000, "x": large})
+                await comm.write({**cross, "size": 8_000_000, "x": large})
                 assert await comm.read() == {"crossed": True}
 
                 async def kept() -> int | None:
@@ -557,7 +557,7 @@ def test_a_channel_whose_greeting_fails_at_one_end_is_dropped_at_both(tmp_path):
 
 async def open_channel(comm) -> mpi_channel.Channel:
     """Write large frames until the comm's data moves over an MPI channel"""
-    array = np.arange(300_000)
+    array = np.arange(600_000)
     for _ in range(100):
         await comm.write({"op": "sum", "x": to_serialize(array)})
         assert (await comm.read())["sum"] == array.sum()
@@ -582,13 +582,13 @@ async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
         comm = await connect(address)
         channel = await open_channel(comm)
         # A head that names a frame over MPI which is never sent
-        head = Head(False, channel.id, channel.tag(), [(0, 2_400_000, OverMPI.code, 0)])
+        head = Head(False, channel.id, channel.tag(), [(0, 4_800_000, OverMPI.code, 0)])
         comm.write_frames([head.pack()])
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 30)
         # The next comm hears that the server gave up on MPI with this process
         new = await connect(address)
-        array = np.arange(300_000)
+        array = np.arange(600_000)
         for _ in range(3):
             await new.write({"op": "sum", "x": to_serialize(array)})
             assert (await new.read())["sum"] == array.sum()
@@ -686,7 +686,7 @@ async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkey
     with captured_logger("distributed.comm.mpi_channel") as log:
         for _ in range(2):
             comm = await connect(address)
-            array = np.arange(300_000)
+            array = np.arange(600_000)
             for _ in range(3):
                 await comm.write({"op": "sum", "x": to_serialize(array)})
                 assert (await comm.read())["sum"] == array.sum()
