@@ -120,6 +120,12 @@ def targets(
         t = pp["transports"]
         small = [k for k in t["tcp://"] if k != "dict" and int(k) <= 1024]
         large = [k for k in t["tcp://"] if k != "dict" and int(k) >= 2**24]
+        sizes = [k for k in t["tcp://"] if k != "dict"]
+        slowest = max(sizes, key=lambda k: t["mpi://"][k] / t["tcp://"][k])
+        ratio = t["mpi://"][slowest] / t["tcp://"][slowest]
+        lines.append(
+            f"| ping-pong: mpi no slower than tcp at any size | worst {ratio:.2f} ({int(slowest)} B) | {'yes' if ratio <= 1 else 'no'} |"
+        )
         ratio = statistics.median(t["mpi://"][k] / t["tcp://"][k] for k in small)
         lines.append(
             f"| small messages: mpi latency <= 1/4 of tcp | {ratio:.2f} of tcp (median over 1 B - 1 KiB) | {'yes' if ratio <= 0.25 else 'no'} |"

@@ -52,7 +52,7 @@ def assert_moves_data(client) -> None:
     """Compute something that needs data from other workers; check the result,
     and that data moved over MPI (once a channel opened, after the first
     large frame between two workers)"""
-    x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
+    x = da.random.RandomState(42).random((4000, 4000), chunks=(1000, 1000))
     expected = (x + x.T).sum().compute(scheduler="sync")
     for _ in range(10):
         assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
@@ -83,7 +83,7 @@ def transfers(client) -> dict[str, int]:
 
 
 def open_channels(client, timeout: float = 60) -> None:
-    """Move an array of 2 MiB (over MPI: ``inline-size`` is 1 MiB) between
+    """Move an array of 4 MiB (over MPI: ``local-inline-size`` is 4 MiB) between
     every two workers until each has an MPI channel to every other one"""
     workers = sorted(client.scheduler_info()["workers"])
     deadline = time.monotonic() + timeout
@@ -92,21 +92,21 @@ def open_channels(client, timeout: float = 60) -> None:
         sums = [
             client.submit(
                 np.sum,
-                client.submit(np.ones, 2**18, workers=[a], pure=False),
+                client.submit(np.ones, 2**19, workers=[a], pure=False),
                 workers=[b],
                 allow_other_workers=False,
             )
             for a, b in itertools.permutations(workers, 2)
         ]
-        assert client.gather(sums) == [2**18] * len(sums)
+        assert client.gather(sums) == [2**19] * len(sums)
         time.sleep(0.05)
 
 
 def compute_while_frames_move_over_mpi(client, timeout: float = 60):
-    """Start a graph whose chunks (2.9 MB) go over MPI, on channels opened
+    """Start a graph whose chunks (8 MB) go over MPI, on channels opened
     first; return once its frames move: its future and the right result"""
     open_channels(client)
-    x = da.random.RandomState(3).random((3000, 3000), chunks=(600, 600))
+    x = da.random.RandomState(3).random((3000, 3000), chunks=(1000, 1000))
     graph = (x + x.T).sum()
     expected = graph.compute(scheduler="sync")
     before = sum(client.run(moved_over_mpi).values())
@@ -201,7 +201,7 @@ def test_mpiexec_cluster_moves_data_between_workers(tmp_path):
             assert len(pids) == 4
 
             assert_moves_data(client)
-            x = da.random.RandomState(42).random((2000, 2000), chunks=(500, 500))
+            x = da.random.RandomState(42).random((4000, 4000), chunks=(1000, 1000))
             expected = x.dot(x.T)[:10, :10].compute(scheduler="sync")
             got = client.compute(x.dot(x.T)[:10, :10]).result()
             np.testing.assert_allclose(got, expected)

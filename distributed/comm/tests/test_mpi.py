@@ -271,7 +271,7 @@ async def test_client_server_round_trips():
             b"",
             "x" * 100,
             tuple(range(1000)),  # msgpack gives lists back as tuples
-            {"data": b"y" * 70_000},  # larger than inline-size
+            {"data": b"y" * 70_000},
             {"nested": ({"a": (1, 2.5)}, None, True)},
         ]
         for msg in messages:
@@ -782,6 +782,7 @@ async def test_config_bounds_used():
     with dask.config.set(
         {
             "distributed.comm.mpi.inline-size": "16B",
+            "distributed.comm.mpi.local-inline-size": "16B",
             "distributed.comm.mpi.chunk-size": "1kiB",
         }
     ):
@@ -789,6 +790,7 @@ async def test_config_bounds_used():
             payload = to_serialize(np.arange(10_000))
             await comm.write({"x": payload})
             np.testing.assert_array_equal((await comm.read())["x"], np.arange(10_000))
+            assert comm.channel is not None  # in 1 KiB pieces
 
 
 def address_of(buffer) -> int:

@@ -54,7 +54,9 @@ def serving(route: str, monkeypatch, tmp_path):
     config = {
         "device-backend": "host",
         "chunk-size": CHUNK,
-        "inline-size": 1024,  # whatever the default, larger frames go over MPI
+        # Whatever the defaults, larger frames take the channel's routes
+        "inline-size": 1024,
+        "local-inline-size": 1024,
         "cuda-aware": route == "direct",
         "device-ipc": route == "ipc",
     }
