@@ -142,6 +142,30 @@ class Channel:
         return f"<Channel {self.id:x} to {self.peer}>"
 
 
+class Jobs:
+    """The MPI jobs this process met with accept/connect, which MPICH counts:
+    it aborts a process that connects to its 1024th"""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._met: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._met)
+
+    def met(self, job: str) -> None:
+        """MPI connected this process to a process of ``job``"""
+        with self._lock:
+            self._met.add(job)
+
+    def room_for(self, job: str) -> bool:
+        """Whether this process may connect to a process of ``job`` with MPI"""
+        if job in self._met or len(self._met) < MAX_JOBS:
+            return True
+        _warn_full(MAX_JOBS)
+        return False
+
+
 class Channels:
     """This process's channels, the peers MPI failed with, the jobs met.
 
@@ -155,7 +179,7 @@ class Channels:
         self._open: dict[str, Channel] = {}  # by peer process
         self._by_id: dict[int, Channel] = {}  # open or about to be freed
         self._unreachable: set[str] = set()
-        self._jobs: set[str] = set()  # of the peers met with accept/connect
+        self.jobs = Jobs()
         self._sweeps: weakref.WeakSet = weakref.WeakSet()  # loops that sweep
         self._released_nbytes = 0  # moved by the channels to others released
 
@@ -168,7 +192,7 @@ class Channels:
             "open": len(self._open),
             "by_id": len(self._by_id),
             "unreachable": len(self._unreachable),
-            "jobs": len(self._jobs),
+            "jobs": len(self.jobs),
         }
 
     def get(self, peer: str) -> Channel | None:
@@ -334,19 +358,6 @@ class Channels:
         with contextlib.suppress(get_mpi().Exception):
             channel.comm.Free()
 
-    def met(self, job: str) -> None:
-        """MPI connected this process to a process of ``job``: MPICH counts
-        the job from now on"""
-        with self._lock:
-            self._jobs.add(job)
-
-    def room_for(self, job: str) -> bool:
-        """Whether this process may connect to a process of ``job`` with MPI"""
-        if job in self._jobs or len(self._jobs) < MAX_JOBS:
-            return True
-        _warn_full(MAX_JOBS)
-        return False
-
     def may_open(self, peer: Peer) -> bool:
         """Whether to open a channel to ``peer``: what the rules allow
         (``mpi_policy``), where MPI has not failed with it, and MPICH's table
@@ -354,7 +365,7 @@ class Channels:
         return (
             policy.mpi_refusal(peer) is None
             and self.reachable(peer.process)
-            and self.room_for(peer.job)
+            and self.jobs.room_for(peer.job)
         )
 
     def drain(self, MPI, quiet: float = 0.01, limit: float = 1.0) -> None:

@@ -192,7 +192,7 @@ class Opener:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
                 comm, rank = self.meet(port, accepts, timeout), 0
-                self.channels.met(peer.job)  # MPICH counts it now
+                self.channels.jobs.met(peer.job)  # MPICH counts it now
             channel = Channel(id, peer, comm, rank, accepts)
             self.channels.add(channel)  # before any message head can name it
             channel.greet(timeout)

@@ -429,10 +429,8 @@ class ProgressEngine:
         """The transfers someone waits for, and abandoned ones, over every
         loop's engine"""
         engines = list(cls._engines.values())
-        return {
-            "transfers": sum(len(e._waited) for e in engines),
-            "orphans": sum(len(e._orphans) for e in engines),
-        }
+        waited = sum(len(e._waited) for e in engines)
+        return {"transfers": waited, "orphans": sum(len(e._orphans) for e in engines)}
 
     def in_flight(self) -> list[tuple[list, Any, LocalPeer | None]]:
         """The requests not complete, their buffers, and the peer on this
