@@ -4,16 +4,16 @@ An ``mpi://HOST:PORT`` address is a TCP listener, and every comm is a TCP
 connection (between processes of one host and user, a Unix socket, which
 delivers sooner and takes less CPU) that carries each message's head, and its
 small frames whole, as ``tcp://`` does: the kernel wakes the reader when a
-message arrives, and nothing polls MPI while no data moves.  Frames of at least
-``inline-size`` (on a Unix socket, host frames of at least ``local-inline-size``)
-take one of the routes of the MPI channel between the two
-processes (see ``distributed.comm.mpi_channel`` and
-``distributed.comm.mpi_routes``): over MPI in ``chunk-size`` pieces, or
-copied by the reader straight from the writer's memory on one host.  The
-writer posts their sends as it writes the head, and the reader posts the
-receives as soon as it reads it, into buffers of the right size (the
-rendezvous of UCX and RDMA transports).  The progress engine
-(``distributed.comm.mpi_progress``) tests those transfers until they are done.
+message arrives, and nothing polls MPI while no data moves. Frames of at least
+``inline-size`` (on a Unix socket, host frames of at least
+``local-inline-size``) take one of the routes of the MPI channel between the
+two processes (see ``distributed.comm.mpi_channel`` and
+``distributed.comm.mpi_routes``): over MPI in ``chunk-size`` pieces, or copied
+by the reader straight from the writer's memory on one host. The writer posts
+their sends as it writes the head, and the reader posts the receives as soon as
+it reads it, into buffers of the right size (the rendezvous of UCX and RDMA
+transports). The progress engine (``distributed.comm.mpi_progress``) tests
+those transfers until they are done.
 
 A channel opens the first time a frame needs one; until then, and between
 processes MPI cannot connect, frames travel over TCP.  When MPI stops

@@ -2,9 +2,9 @@
 
 Frames below ``inline-size`` travel on the comm's socket, after the message's
 head (host frames below ``local-inline-size`` too, where that socket is a Unix
-socket, between processes of one host).  Each larger frame takes one of the routes of the channel between the
-two processes (:class:`Routes`), which the writer picks and names in the
-head, so that the reader takes it too:
+socket, between processes of one host).  Each larger frame takes one of the
+routes of the channel between the two processes (:class:`Routes`), which the
+writer picks and names in the head, so that the reader takes it too:
 
 - :class:`OverMPI`: host memory, in ``chunk-size`` pieces over MPI's
   non-blocking sends and receives;
