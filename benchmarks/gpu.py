@@ -16,7 +16,9 @@ The routes of mpi://: "ipc" (the default between processes of one host: the
 reader copies from the writer's GPU memory), "staged" (``device-ipc`` off;
 through pinned host memory), "direct" (``device-ipc`` off, MPI taken as
 CUDA-aware; measured only where ``python -m distributed.comm.mpi_probe`` says
-it is, or with ``--direct``).  Writes ``gpu.json`` and ``gpu.png``.
+it is, or with ``--direct``).  Each transport is measured in a process of
+its own, stopped after ``--limit`` seconds; ``gpu.json`` (rewritten after each
+transport) says which did not finish.  Writes ``gpu.json`` and ``gpu.png``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import apps
 import pingpong
+from processes import kill, launch
 
 HERE = os.path.abspath(__file__)
 
@@ -65,9 +70,11 @@ async def client(address: str, quick: bool) -> dict:
         return statistics.median(times)
 
     for size in sizes(quick):
+        print(size, end=" ", file=sys.stderr, flush=True)  # where a hang was
         msg = {"x": to_serialize(cupy.ones(size, dtype="u1"))}
         await timed(msg, 2)
         results[size] = await timed(msg, repetitions(size, quick))
+    print(file=sys.stderr)
     await comm.close()
     return results
 
@@ -176,11 +183,12 @@ def plot(results: dict, out: str) -> None:
         bw.semilogx(xs, [x / y / 1e9 for x, y in zip(xs, ys)], marker="o", label=name)
     lat.set(xlabel="CuPy array size (bytes)", ylabel="one-way latency (us, median)")
     bw.set(xlabel="CuPy array size (bytes)", ylabel="bandwidth (GB/s)")
-    names = list(results["apps"])
-    benches = list(results["apps"][names[0]])
-    width = 0.8 / len(names)
+    apps_ = results["apps"]
+    names = list(apps_)
+    benches = list(dict.fromkeys(b for n in names for b in apps_[n]))
+    width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
-        walls = [results["apps"][name][b]["wall_time"] for b in benches]
+        walls = [apps_[name].get(b, {}).get("wall_time", 0) for b in benches]
         app.bar([j + i * width for j in range(len(benches))], walls, width, label=name)
     app.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(benches))])
     app.set_xticklabels(benches)
@@ -193,12 +201,55 @@ def plot(results: dict, out: str) -> None:
     fig.savefig(os.path.join(out, "gpu.png"), dpi=100)
 
 
+def measure(protocol: str, quick: bool, repeat: int, limit: float):
+    """The ping-pong's and the workloads' figures on ``protocol``, measured by
+    a child process (``gpu.py measure``), and why they are missing if any are"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "figures.json")
+        argv = [HERE, "measure", protocol, path, "--repeat", str(repeat)]
+        proc = launch(argv + (["--quick"] if quick else []), mpi=False)
+        try:
+            proc.wait(limit)
+            failure = proc.returncode and f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"unfinished after {limit:.0f} s"
+            proc.terminate()  # it stops its server and cluster
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+        finally:
+            kill(proc)
+        figures = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                figures = json.load(f)
+        return figures, failure or None
+
+
+def measure_here(protocol: str, path: str, quick: bool, repeat: int) -> None:
+    """``gpu.py measure``: write the figures to ``path`` as they come"""
+    # SIGTERM from the parent unwinds, so that the server and cluster stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    figures = {}
+    figures["pingpong"] = pingpong.run_protocol(protocol, quick, client_script=HERE)
+    with open(path, "w") as f:
+        json.dump(figures, f)
+    figures["apps"] = apps.run_protocol(protocol, WORKERS, quick, repeat, suite(quick))
+    with open(path, "w") as f:
+        json.dump(figures, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's results")
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=120,
+        help="seconds each transport may take, ping-pong and workloads (default 120)",
+    )
     parser.add_argument(
         "--direct",
         action="store_true",
@@ -224,56 +275,69 @@ def main() -> None:
         "cupy": cupy.__version__,
         "cuda_aware": why,
         "quick": args.quick,
+        "workers": WORKERS,
         "pingpong": {},
         "apps": {},
     }
-    variants = [("tcp://", "tcp", {}), ("mpi:// ipc", "mpi", {})]
-    variants.append(("mpi:// staged", "mpi", {**NO_IPC}))
-    if aware or args.direct:
-        variants.append(
-            ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
-        )
+    # What the targets compare comes first, each transport is measured in a
+    # process of its own that is stopped after --limit seconds, and the
+    # results are written after each: a transport that hangs is recorded as
+    # such, and the run goes on
+    variants = [("mpi:// ipc", "mpi", {})]
     if importlib.util.find_spec("distributed_ucxx"):
         # As dask-cuda does, so that UCX sees the GPU
         ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": "True"}
         variants.append(("ucx://", "ucx", ucx))
+    variants += [("tcp://", "tcp", {}), ("mpi:// staged", "mpi", {**NO_IPC})]
+    if aware or args.direct:
+        variants.append(
+            ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
+        )
     for name, protocol, settings in variants:
-        print(name, file=sys.stderr)
+        start = time.perf_counter()
         with environment(**settings):
-            results["pingpong"][name] = pingpong.run_protocol(
-                protocol, args.quick, client_script=HERE
-            )
-            results["apps"][name] = apps.run_protocol(
-                protocol, WORKERS, args.quick, repeat, suite(args.quick)
-            )
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
+            figures, failure = measure(protocol, args.quick, repeat, args.limit)
+        for key, value in figures.items():
+            results[key][name] = value
+        if failure:
+            results.setdefault("failed", {})[name] = failure
+        took = time.perf_counter() - start
+        print(
+            f"{name}: {took:.0f} s{', ' + failure if failure else ''}", file=sys.stderr
+        )
+        with open(os.path.join(args.out, "gpu.json"), "w") as f:
+            json.dump(results, f, indent=1)
     plot(results, args.out)
     summarize(results)
 
 
 def summarize(results: dict) -> None:
-    p = results["pingpong"]
-    names = list(p)
-    base = "ucx://" if "ucx://" in p else "tcp://"
-    print("size".rjust(12), *(n.rjust(16) for n in names), f"ipc/{base}".rjust(11))
-    for key in (k for k in p["tcp://"] if k.isdigit()):
-        cells = [f"{p[n][key] * 1e6:14.1f}us" for n in names]
-        ratio = p["mpi:// ipc"][key] / p[base][key]
-        print(key.rjust(12), *cells, f"{ratio:11.2f}")
-    for bench in results["apps"]["tcp://"]:
-        walls = {n: results["apps"][n][bench]["wall_time"] for n in results["apps"]}
-        ratio = walls["mpi:// ipc"] / walls[base]
-        print(
-            f"{bench:15s}",
-            *(f"{n} {w:.3f}s" for n, w in walls.items()),
-            f"ipc/{base} {ratio:.2f}",
-        )
+    """Each transport's figures, and ipc's against ucx:// (else tcp://)"""
+    for part, cell in [("pingpong", "{:.6f}s"), ("apps", "{:.3f}s")]:
+        figures = results[part]
+        names = list(figures)
+        base = next((n for n in ("ucx://", "tcp://") if n in figures), None)
+        keys = dict.fromkeys(k for n in names for k in figures[n] if k != "gpu_path")
+        print(part, *names, f"ipc/{base}", sep="  ")
+        for key in keys:
+            row = [figures[n].get(key) for n in names]
+            row = [r["wall_time"] if isinstance(r, dict) else r for r in row]
+            ratio = ""
+            if base and "mpi:// ipc" in names and None not in row:
+                ratio = f"{row[names.index('mpi:// ipc')] / row[names.index(base)]:.2f}"
+            cells = ["-" if r is None else cell.format(r) for r in row]
+            print(key, *cells, ratio, sep="  ")
+    for name, why in results.get("failed", {}).items():
+        print(f"{name}: {why}")
     print("CUDA-aware MPI:", results["cuda_aware"])
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
         pingpong.run_client(client)
+    elif sys.argv[1:2] == ["measure"]:
+        protocol, path, *rest = sys.argv[2:]
+        repeat = int(rest[rest.index("--repeat") + 1])
+        measure_here(protocol, path, "--quick" in rest, repeat)
     else:
         main()

@@ -172,7 +172,10 @@ def run_protocol(
             address = wait_for_file(path, server)
             args = [client_script, "client", address] + (["--quick"] if quick else [])
             client_proc = launch(args, mpi, stdout=subprocess.PIPE, text=True)
-            stdout, _ = client_proc.communicate(timeout=1800)
+            try:
+                stdout, _ = client_proc.communicate(timeout=1800)
+            finally:
+                stop(client_proc)
             return json.loads(stdout.strip().splitlines()[-1])
         finally:
             stop(server)

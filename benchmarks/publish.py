@@ -234,41 +234,40 @@ def soak_lines(soak: dict) -> list[str]:
 
 
 def gpu_lines(gpu: dict) -> list[str]:
-    pp = gpu["pingpong"]
-    names = list(pp)
-    sizes = [k for k in pp["tcp://"] if k != "gpu_path"]
-    rows = [["size", *names, *(f"{n} / tcp://" for n in names[1:])]]
-    for size in sizes:
-        times = [pp[n].get(size) for n in names]
-        rows.append(
-            [
-                _size(int(size)),
-                *(_seconds(t) if t else "" for t in times),
-                *(f"{t / times[0]:.2f}" if t else "" for t in times[1:]),
-            ]
-        )
+    """The GPU run's tables: every transport, and each route of mpi://
+    against tcp:// and ucx://, where they were measured"""
+    pp, apps = gpu["pingpong"], gpu.get("apps", {})
+    mine = [n for n in pp if n.startswith("mpi://")]
+    pairs = [(m, b) for b in ("tcp://", "ucx://") if b in pp for m in mine]
+
+    def table(figures: dict, first: str, value) -> list[str]:
+        names = list(figures)
+        rows = [[first, *names, *(f"{m} / {b}" for m, b in pairs)]]
+        for key in dict.fromkeys(k for n in names for k in figures[n]):
+            if key == "gpu_path":
+                continue
+            cells = {n: value(figures[n][key]) for n in names if key in figures[n]}
+            label = _size(int(key)) if key.isdigit() else key
+            row = [label, *(_seconds(cells[n]) if n in cells else "-" for n in names)]
+            for m, b in pairs:
+                both = m in cells and b in cells
+                row.append(f"{cells[m] / cells[b]:.2f}" if both else "-")
+            rows.append(row)
+        return rst_table(rows)
+
     lines = [
         f"{gpu['gpu']}, CuPy {gpu['cupy']}, {gpu['machine']['mpi_library']}; "
         f"CUDA-aware: {gpu['cuda_aware']}. One-way time of a CuPy array "
         "echoed as device frames, median:",
         "",
-        *rst_table(rows),
+        *table(pp, "size", float),
     ]
-    apps = gpu.get("apps")
     if apps:
-        names = list(apps)
-        rows = [["workload", *names, *(f"{n} / tcp://" for n in names[1:])]]
-        for work in apps["tcp://"]:
-            times = [apps[n][work]["wall_time"] for n in names]
-            rows.append(
-                [
-                    work,
-                    *(f"{t:.3f} s" for t in times),
-                    *(f"{t / times[0]:.2f}" for t in times[1:]),
-                ]
-            )
-        lines += ["", "Dask arrays of CuPy chunks on two workers, median:", ""]
-        lines += rst_table(rows)
+        workers = gpu.get("workers", "two")  # runs before the key had two
+        lines += ["", f"Dask arrays of CuPy chunks on {workers} workers, median:"]
+        lines += [""] + table(apps, "workload", lambda f: f["wall_time"])
+    for name, why in gpu.get("failed", {}).items():
+        lines += ["", f"{name}: {why}."]
     return lines
 
 
@@ -420,13 +419,16 @@ def readme_table() -> list[str]:
                 rows.append([f"ping-pong, {_size(int(size))}", f"{r:.2f}"])
     if gpu:
         pp = gpu["pingpong"]
-        staged = next((n for n in pp if n.startswith("mpi://")), None)
-        big = max((k for k in pp["tcp://"] if k != "gpu_path"), key=int)
-        if staged:
-            r = pp[staged][big] / pp["tcp://"][big]
-            rows.append(
-                [f"GPU ping-pong, {_size(int(big))} ({gpu['gpu']})", f"{r:.2f}"]
-            )
+        ipc = pp.get("mpi:// ipc") or pp.get("mpi:// staged", {})
+        for base in ("tcp://", "ucx://"):
+            both = [k for k in ipc if k.isdigit() and k in pp.get(base, {})]
+            if both:
+                big = max(both, key=int)
+                r = ipc[big] / pp[base][big]
+                what = (
+                    f"GPU ping-pong, {_size(int(big))}, against {base} ({gpu['gpu']})"
+                )
+                rows.append([what, f"{r:.2f}"])
     return rst_table(rows)
 
 
