@@ -18,8 +18,8 @@ carried:
 installs the wheels (once) into a virtual environment that sees the machine's
 own packages (CuPy, Numba) after its own, then prints the probe
 (``distributed.comm.mpi_probe``) and runs the GPU tests, or runs
-``benchmarks/gpu.py``; logs, ``probe.txt``, test output, ``gpu.json`` and
-``gpu.png`` go to ``$OUT``.
+``benchmarks/gpu.py`` and ``benchmarks/gpu_costs.py``; logs, ``probe.txt``,
+test output, ``gpu.json``, ``gpu.png`` and ``gpu_costs.json`` go to ``$OUT``.
 
 MPICH from PyPI is not CUDA-aware, so GPU frames go staged.  For the direct
 path, ``bundle --ucx-cuda`` adds UCX built with CUDA (from the libucx-cu12
@@ -123,6 +123,7 @@ if [ "${1:-test}" != test ]; then
         direct=(--direct)
     fi
     (cd benchmarks && timeout 420 python gpu.py "${direct[@]}" ${GPU_BENCH_ARGS:---quick} --out "$OUT") || status=$?
+    (cd benchmarks && timeout 90 python gpu_costs.py --out "$OUT") || status=$?
 fi
 exit $status
 """
