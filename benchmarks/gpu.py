@@ -58,6 +58,10 @@ async def client(address: str, quick: bool) -> dict:
 
     comm = await connect(address)
     results = {"gpu_path": getattr(comm, "gpu_path", None)}
+    if address.startswith("mpi://"):  # whether the IPC route is taken
+        from distributed.comm import mpi_policy
+
+        results["device_ipc"] = mpi_policy.ipc_from(comm.peer)
 
     async def timed(msg, n):
         times = []
@@ -317,7 +321,9 @@ def summarize(results: dict) -> None:
         figures = results[part]
         names = list(figures)
         base = next((n for n in ("ucx://", "tcp://") if n in figures), None)
-        keys = dict.fromkeys(k for n in names for k in figures[n] if k != "gpu_path")
+        keys = dict.fromkeys(
+            k for n in names for k in figures[n] if k not in ("gpu_path", "device_ipc")
+        )
         print(part, *names, f"ipc/{base}", sep="  ")
         for key in keys:
             row = [figures[n].get(key) for n in names]

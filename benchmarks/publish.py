@@ -244,7 +244,7 @@ def gpu_lines(gpu: dict) -> list[str]:
         names = list(figures)
         rows = [[first, *names, *(f"{m} / {b}" for m, b in pairs)]]
         for key in dict.fromkeys(k for n in names for k in figures[n]):
-            if key == "gpu_path":
+            if key in ("gpu_path", "device_ipc"):
                 continue
             cells = {n: value(figures[n][key]) for n in names if key in figures[n]}
             label = _size(int(key)) if key.isdigit() else key
