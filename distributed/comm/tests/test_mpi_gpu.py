@@ -226,6 +226,31 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(tmp_path, monkeypatch, ipc):
 
 @gpu
 @gen_test(timeout=120)
+async def test_memory_of_a_stream_ordered_pool_goes_staged(tmp_path, monkeypatch):
+    """cudaMallocAsync's memory has no legacy IPC handle: such frames take
+    the route MPI allows (staged from PyPI's MPICH), and arrive right"""
+    import cupy
+
+    staged = mpi_gpu._Stager.copy
+    calls = []
+
+    async def copy(self, *args, **kwargs):
+        calls.append(args)
+        return await staged(self, *args, **kwargs)
+
+    monkeypatch.setattr(mpi_gpu._Stager, "copy", copy)
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool().malloc):
+        x = cupy.arange(2**22, dtype="u1")
+    assert mpi_gpu.device().export(x) is None
+    async with comm_to_a_peer(tmp_path) as comm:
+        y = (await echoed(comm, [x, cupy.ones(2**22, "f8")]))["x"]
+        assert bool((y[0] == x).all()) and bool((y[1] == 1).all())
+    if not mpi_gpu.cuda_aware(await mpi_startup.mpi_ready())[0]:
+        assert calls
+
+
+@gpu
+@gen_test(timeout=120)
 async def test_numba_device_array_between_two_processes(tmp_path):
     numba_cuda = pytest.importorskip("numba.cuda")
     async with comm_to_a_peer(tmp_path) as comm:
