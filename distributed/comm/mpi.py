@@ -15,8 +15,11 @@ it reads it, into buffers of the right size (the rendezvous of UCX and RDMA
 transports). The progress engine (``distributed.comm.mpi_progress``) tests
 those transfers until they are done.
 
-A channel opens the first time a frame needs one; until then, and between
-processes MPI cannot connect, frames travel over TCP.  When MPI stops
+Between processes of one host whose comm is a Unix socket, frames that the
+reader copies need no channel: they are lent, and their copy acknowledged, on
+the socket (``distributed.comm.mpi_lending``).  A channel opens the first
+time a frame needs one; until then, and between processes MPI cannot connect,
+frames travel over TCP.  When MPI stops
 delivering to a receive for ``stall-timeout`` (UCX's shared-memory queue of a
 process can stay blocked for good when a process writing to it is killed), the
 comm closes with an error, and the two processes use TCP from then on.
@@ -38,7 +41,7 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
-from distributed.comm import mpi_gpu, mpi_handshake as handshake, mpi_local
+from distributed.comm import mpi_copy, mpi_gpu, mpi_handshake as handshake, mpi_local
 from distributed.comm import mpi_policy as policy
 from distributed.comm import mpi_startup
 from distributed.comm.addressing import (
@@ -51,9 +54,10 @@ from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
 from distributed.comm.mpi_handshake import Peer
 from distributed.comm.mpi_head import Head
+from distributed.comm.mpi_lending import Lender
 from distributed.comm.mpi_opener import opener
 from distributed.comm.mpi_progress import Stalled
-from distributed.comm.mpi_routes import ORDER, Message, Route
+from distributed.comm.mpi_routes import ORDER, LocalCopy, Message, Route
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_stream import SocketStream
 from distributed.comm.mpi_transfers import Transfers
@@ -71,6 +75,10 @@ logger = logging.getLogger(__name__)
 
 
 _WANT_CHANNEL_HEAD = Head(True, 0, 0, []).pack()
+
+# Seconds a closing comm waits for its peer to copy the frames lent to it: a
+# peer that reads the message later fails to copy them
+LEND_AFTER_CLOSE = 10
 
 
 class _Link(NamedTuple):
@@ -148,11 +156,24 @@ class MPI(TCP):
         self._link: _Link | None = None  # from the handshake
         self._channel: Channel | None = None  # the last one its data moved on
         self._transfers = Transfers(self, stream.socket)
+        self._lender = Lender()  # frames lent on the socket (mpi_lending)
+
+    def _linked(self, link: _Link | None) -> None:
+        """The handshake is done"""
+        self._link = link
+        if link is not None:
+            self._lender.start(self.stream, link.peer)
 
     @property
     def channel(self) -> Channel | None:
         """The MPI channel this comm's data last moved on"""
         return self._channel
+
+    @property
+    def lent(self) -> int:
+        """Messages whose frames this comm lent the peer (``mpi_lending``),
+        which it has not said it has yet"""
+        return self._lender.lent
 
     @property
     def peer(self) -> Peer | None:
@@ -228,6 +249,8 @@ class MPI(TCP):
         and put them in their places among those that came on the socket"""
         if not head.frames:
             return frames
+        if head.channel == Head.LENT:
+            return await self._receive_lent(head, frames)
         link, channel = self._link, channels.by_id(head.channel)
         if channel is None or link is None:
             self.abort()
@@ -267,6 +290,25 @@ class MPI(TCP):
         for index, frame in sorted(received, key=lambda x: x[0]):
             frames.insert(index, frame)
         channel.nbytes += sum(size for _, size, _, _ in head.frames)
+        return frames
+
+    async def _receive_lent(self, head: Head, frames: list) -> list:
+        """Copy the frames of a message that the writer lent on the socket"""
+        writer = self._lender.writer
+        if writer is None or any(code != LocalCopy.code for *_, code, _ in head.frames):
+            self.abort()
+            raise CommClosedError(f"{self}: frames lent that this end cannot copy")
+        copies = [(size, address) for _, size, _, address in head.frames]
+        try:
+            copied = await mpi_copy.receive(writer, copies, head.lease)
+            if self.closed():  # meanwhile, by this end
+                raise CommClosedError(f"{self} closed")
+        except BaseException:
+            self.abort()  # the stream's position is unknown
+            raise
+        self._lender.copied(self.stream, head.tag)
+        for (index, *_), frame in zip(head.frames, copied):  # in index order
+            frames.insert(index, frame)
         return frames
 
     async def write(self, msg, serializers=None, on_error="message"):
@@ -309,6 +351,10 @@ class MPI(TCP):
         large = _large_frames(frames, link)
         if not large:
             return self.write_frames(frames)
+        if self._lender.peer_copies and not any(
+            mpi_gpu.is_device(frames[i]) for i in large
+        ):
+            return self._write_lent(frames, large)
         channel = channel or channels.get(link.peer.process)
         if channel is None:
             if link.dial:
@@ -317,6 +363,20 @@ class MPI(TCP):
             return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
         return await self._write_routed(channel, frames, large)
+
+    def _write_lent(self, frames: list, large: list) -> int:
+        """Write a message whose ``large`` frames the peer copies from this
+        process's memory, which keeps them until the peer says it has them"""
+        lent = [ensure_memoryview(frames[i]) for i in large]
+        tag, lease = self._lender.lend(lent)
+        entries = [
+            (i, frame.nbytes, LocalCopy.code, mpi_copy.address(frame))
+            for i, frame in zip(large, lent)
+        ]
+        head = Head(False, Head.LENT, tag, entries, lease.head).pack()
+        skip = set(large)
+        inline = [f for i, f in enumerate(frames) if i not in skip]
+        return self.write_frames([head, *inline]) + sum(f.nbytes for f in lent)
 
     async def _write_routed(self, channel: Channel, frames: list, large: list):
         """Write a message whose ``large`` frames take the channel's routes"""
@@ -386,12 +446,17 @@ class MPI(TCP):
             self.abort()
             return
         self._transfers.drop()
+        # The peer copies what it read before the socket closes
+        if self.stream is not None:
+            await self._lender.returned(self.stream, LEND_AFTER_CLOSE)
+        self._lender.drop()
         await super().close()
         self._leave_channel()
 
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
         self._transfers.drop(cancel=True)
+        self._lender.drop()
         super().abort()
         self._leave_channel()
 
@@ -451,7 +516,7 @@ class MPIConnector(TCPConnector):
         else:
             comm = await super().connect(address, deserialize, **connection_args)
         try:
-            comm._link = await _handshake(comm.stream, dial=address)
+            comm._linked(await _handshake(comm.stream, dial=address))
         except StreamClosedError as e:
             comm.abort()
             convert_stream_closed_error(self, e)
@@ -530,7 +595,7 @@ class MPIListener(TCPListener):
         return stream
 
     async def on_connection(self, comm, handshake_overrides=None):
-        comm._link = self._links.pop(comm.stream, None)
+        comm._linked(self._links.pop(comm.stream, None))
         await super().on_connection(comm, handshake_overrides)
 
 

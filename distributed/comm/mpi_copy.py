@@ -74,14 +74,15 @@ def lend(engine, channel, tag: int, lease: Lease) -> asyncio.Future:
     return engine.transfer([request], lease, local=True, sender=channel.sender)
 
 
-async def receive(channel, copies: list[tuple[int, int]], lease: tuple[int, int]):
-    """The frames of a message to copy from its writer (the size and address
-    of each, and the ``lease`` of its head); CommClosedError if they cannot be.  The event
+async def receive(writer, copies: list[tuple[int, int]], lease: tuple[int, int]):
+    """The frames of a message to copy from its ``writer`` (a ``LocalPeer``):
+    the size and address of each, and the ``lease`` of its head;
+    CommClosedError if they cannot be.  The event
     loop copies them a piece at a time, running its other work in between,
     and Dask's offload thread, when free, takes pieces too: one thread copies
     at a third to a half of memcpy's speed on these machines, since the
     kernel pins the writer's pages one by one."""
-    copy = _Copy(channel.sender, copies)
+    copy = _Copy(writer, copies)
     if sum(size for size, _ in copies) >= SHARED_FROM:
         # Not at exit, once the executor is shut down: the loop copies alone
         with contextlib.suppress(RuntimeError):

@@ -22,8 +22,13 @@ class Head(NamedTuple):
     frames: list[tuple[int, int, int, int]]
     lease: tuple[int, int] = (0, 0)  # of the copied frames: mpi_copy.Lease.head
     extra: bytes = b""  # what routes say beyond a word (IPC handles)
+    # A note between two ends that lend frames on their socket (mpi_lending),
+    # alone in its message: COPIES, or COPIED with the message's tag
+    note: int = 0
 
     MARK = 0xC1  # "never used" in msgpack
+    COPIES, COPIED = 2, 4  # notes, as flags beside want_channel's 1
+    LENT = 2**64 - 1  # the channel of frames lent on the socket: none
     # MARK, flags, len(frames), channel, tag, lease, len(extra)
     _FIXED = struct.Struct("<BBxxIQIQQI")
     _FRAME = struct.Struct("<IQBQ")
@@ -31,7 +36,7 @@ class Head(NamedTuple):
     def pack(self) -> bytes:
         fixed = self._FIXED.pack(
             self.MARK,
-            self.want_channel,
+            self.want_channel | self.note,
             len(self.frames),
             self.channel,
             self.tag,
@@ -43,7 +48,7 @@ class Head(NamedTuple):
 
     @classmethod
     def unpack(cls, data) -> Head:
-        _, want, n, channel, tag, *lease, extra = cls._FIXED.unpack_from(data)
+        _, flags, n, channel, tag, *lease, extra = cls._FIXED.unpack_from(data)
         frames = [
             cls._FRAME.unpack_from(data, cls._FIXED.size + i * cls._FRAME.size)
             for i in range(n)
@@ -52,4 +57,5 @@ class Head(NamedTuple):
         if len(data) != start + extra:
             raise struct.error("a head of another length than it says")
         extra = bytes(data[start:])
-        return cls(bool(want), channel, tag, frames, tuple(lease), extra)
+        note = flags & (cls.COPIES | cls.COPIED)
+        return cls(bool(flags & 1), channel, tag, frames, tuple(lease), extra, note)

@@ -133,7 +133,7 @@ class LocalCopy(Route):
         transfers.track(lent)
 
     async def receive(self, frames, msg):
-        copied = await mpi_copy.receive(self.channel, frames, msg.lease)
+        copied = await mpi_copy.receive(self.channel.sender, frames, msg.lease)
         mpi_copy.acknowledge(msg.transfers.engine, self.channel, msg.tag)
         return copied, []
 

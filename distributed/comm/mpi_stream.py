@@ -23,6 +23,7 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 from tornado.iostream import IOStream, StreamClosedError
 
@@ -40,6 +41,8 @@ _IOV_MAX = 512
 # when asked to
 _BACKLOG = 8
 _SIZE = struct.Struct("Q")
+# What a note starts with (mpi_head.Head.MARK): see SocketStream.take_notes
+NOTE = b"\xc1"
 _scratches = threading.local()
 
 
@@ -177,6 +180,12 @@ class SocketStream:
         self._read_on()
         return message
 
+    def take_notes(self, notes: Callable[[memoryview], bool]) -> None:
+        """Hand each message of one frame starting with :data:`NOTE` to
+        ``notes`` as it arrives, instead of to a read, unless it says False:
+        notes between the two ends of a comm that Dask's reads never see"""
+        self._framing.notes = notes
+
     def write_message(self, frames: list) -> int:
         """Queue a message's frames for sending; its size in bytes"""
         frames, _, nbytes = _add_frames_header(frames)
@@ -269,6 +278,8 @@ class _Framing:
         self.allocate = None
         self.raw: memoryview | None = None  # a read_bytes' memory, once full
         self.messages: collections.deque = collections.deque()  # complete
+        # Takes a message of one frame that starts with NOTE, or says False
+        self.notes: Callable[[memoryview], bool] | None = None
         # The memory being filled, and how much of it is
         self.into: memoryview | None = None
         self.filled = 0
@@ -325,8 +336,11 @@ class _Framing:
         if self._sizes:
             self.into, self.filled = self.allocate(self._sizes.popleft()), 0
             return
-        self.messages.append(self._message)
-        self._message = None
+        message, self._message = self._message, None
+        if self.notes is not None and len(message) == 1 and message[0][:1] == NOTE:
+            if self.notes(message[0]):
+                return
+        self.messages.append(message)
 
 
 class _Outbox:

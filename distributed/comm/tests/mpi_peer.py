@@ -130,6 +130,11 @@ async def handle(comm):
                 await comm.write({"x": to_serialize(_kept[-1])})
                 comm.abort()
                 return
+            if isinstance(msg, dict) and msg.get("op") == "write-and-close":
+                # Nothing but the comm keeps the frame
+                await comm.write({"x": to_serialize(np.ones(msg["size"], "u1"))})
+                await comm.close()
+                return
             if isinstance(msg, dict) and msg.get("op") == "ones":
                 msg = {"x": to_serialize(np.ones(msg["size"], "u1"))}
             elif isinstance(msg, dict) and msg.get("op") == "sum":

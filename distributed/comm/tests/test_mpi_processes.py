@@ -54,6 +54,16 @@ PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 
 
 @pytest.fixture
+def channel_for_host_frames(monkeypatch):
+    """Large host frames between processes of one host take an MPI channel,
+    as over TCP (lend-on-socket off, here and in the processes started
+    meanwhile): for the tests of channels, and of MPI between processes"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__LEND_ON_SOCKET", "False")
+    with dask.config.set({"distributed.comm.mpi.lend-on-socket": False}):
+        yield
+
+
+@pytest.fixture
 def server(tmp_path):
     path = str(tmp_path / "address")
     with mpiexec([*PEER, "serve", path]) as proc:
@@ -73,7 +83,9 @@ async def test_round_trips_with_an_mpiexec_process(server):
         array = np.random.randint(0, 100, size)
         await comm.write({"x": to_serialize(array)})
         np.testing.assert_array_equal((await comm.read())["x"], array)
-    assert comm.channel is not None  # the large arrays went over MPI
+    # The large arrays were copied from the writers' memory, and their copies
+    # acknowledged on the socket: no MPI channel opened
+    assert comm.channel is None and not comm.lent
     await comm.close()
 
 
@@ -87,7 +99,9 @@ def server_with_small_chunks(tmp_path, monkeypatch):
 
 
 @gen_test(timeout=120)
-async def test_ends_configured_with_different_chunk_sizes(server_with_small_chunks):
+async def test_ends_configured_with_different_chunk_sizes(
+    channel_for_host_frames, server_with_small_chunks
+):
     """Each end posts its receives in the chunks the other sends: they agree
     on one chunk-size at the handshake (MPI truncated the 4 MiB chunks into
     1 MiB receives before)"""
@@ -151,9 +165,9 @@ def copies(monkeypatch):
 async def test_large_frames_between_processes_of_one_host_are_copied(
     server, copies, local_copy
 ):
-    """The reader copies them from the writer's memory, unless it says not
-    to (local-copy: false): then they come through MPI, in that direction
-    only"""
+    """The reader copies them from the writer's memory, and says so on the
+    socket: no MPI channel opens.  A reader that says not to (local-copy:
+    false) is sent them through MPI, in that direction only."""
     address, _ = server
     with dask.config.set({"distributed.comm.mpi.local-copy": local_copy}):
         comm = await connect(address)
@@ -161,10 +175,58 @@ async def test_large_frames_between_processes_of_one_host_are_copied(
             array = np.random.randint(0, 100, 2_000_000)  # 16 MB
             await comm.write({"op": "echo", "x": array})
             np.testing.assert_array_equal((await comm.read())["x"], array)
-    assert comm.channel.peer_copies  # the peer copied what this one wrote
-    assert (sum(copies) >= array.nbytes) is local_copy
-    assert comm.channel.nbytes >= 4 * array.nbytes
+    assert (sum(copies) >= 3 * array.nbytes) is local_copy
+    assert sum(copies) < 4 * array.nbytes  # this end copied what came back
+    if local_copy:
+        assert comm.channel is None
+    else:  # what came back after the first, which asked for it: through MPI
+        assert 2 * array.nbytes <= comm.channel.nbytes < 3 * array.nbytes
+    assert not comm.lent  # the peer has what this end lent it
     await comm.close()
+
+
+@gen_test(timeout=120)
+async def test_lent_frames_go_when_their_reader_dies(server):
+    """A reader killed with frames lent to it: the writer's comm closes at
+    once and keeps nothing (it waits for a live reader that is slow)"""
+    address, proc = server
+    comm = await connect(address)
+    await comm.write({"op": "stop-reading"})
+    await comm.write({"x": np.ones(2_000_000)})  # lent, never read
+    assert comm.lent == 1
+    proc.crash()
+    with pytest.raises(CommClosedError):
+        await asyncio.wait_for(comm.read(), 30)
+    start = time.monotonic()
+    await comm.close()
+    assert time.monotonic() - start < 5
+    assert not comm.lent
+
+
+@gen_test(timeout=120)
+async def test_a_comm_closed_after_a_write_keeps_its_lent_frames_for_the_reader(
+    server,
+):
+    """A writer that closes its comm right after writing keeps the frames it
+    lent until the reader, reading late, has copied them"""
+    address, _ = server
+    comm = await connect(address)
+    await comm.write({"op": "write-and-close", "size": 8_000_000})
+    await asyncio.sleep(1)  # the writer is closing meanwhile
+    got = await comm.read()
+    assert got["x"].sum() == 8_000_000
+    with pytest.raises(CommClosedError):
+        await comm.read()
+
+
+async def _connect_copying(address):
+    """A comm to the peer at ``address`` that has copied a 16 MB array of
+    this process's (and this one the peer's): the array"""
+    comm = await connect(address)
+    array = np.random.randint(0, 100, 2_000_000)
+    await comm.write({"op": "echo", "x": array})
+    await comm.read()
+    return comm, array
 
 
 async def _connect_with_channel(address):
@@ -185,7 +247,7 @@ async def test_writer_that_dies_while_its_frame_is_copied_fails_the_read(
     """The reader gets an error, where MPI (UCX's CMA) would abort it, and
     goes on using MPI with others"""
     address, proc = server
-    comm, array = await _connect_with_channel(address)
+    comm, array = await _connect_copying(address)
     read = LocalPeer.read
 
     def read_then_kill(self, address, into, nbytes):
@@ -205,7 +267,6 @@ async def test_writer_that_dies_while_its_frame_is_copied_fails_the_read(
         for _ in range(3):
             await comm.write({"op": "sum", "x": array})
             assert (await comm.read())["sum"] == array.sum()
-        assert comm.channel is not None
         await comm.close()
 
 
@@ -216,7 +277,7 @@ async def test_frame_that_its_writer_gave_up_is_not_returned(server, copies):
     marks the message given up, and the reader fails (here the frame's
     memory is still as it was)"""
     address, _ = server
-    comm, _ = await _connect_with_channel(address)
+    comm, _ = await _connect_copying(address)
     await comm.write({"op": "write-and-abort", "size": 8_000_000})
     await asyncio.sleep(1)  # the writer has given it up
     with pytest.raises(CommClosedError, match="the writer gave the message up"):
@@ -229,7 +290,7 @@ async def test_large_copies_are_shared_with_the_offload_thread(server, monkeypat
     """The event loop and Dask's offload thread copy the pieces of a large
     frame between them"""
     address, _ = server
-    comm, array = await _connect_with_channel(address)
+    comm, array = await _connect_copying(address)
     loop_thread, threads = threading.current_thread(), []
     read = LocalPeer.read
 
@@ -252,7 +313,7 @@ async def test_a_copy_does_not_wait_for_a_busy_offload_thread(server):
     """The event loop copies every piece itself while the offload thread
     works on something else"""
     address, _ = server
-    comm, array = await _connect_with_channel(address)
+    comm, array = await _connect_copying(address)
     release = threading.Event()
     busy = _offload_executor.submit(release.wait, 60)
     try:
@@ -267,7 +328,7 @@ async def test_a_copy_does_not_wait_for_a_busy_offload_thread(server):
 
 @gen_test(timeout=120)
 async def test_a_channel_released_at_one_end_is_released_at_the_other(
-    server, monkeypatch
+    channel_for_host_frames, server, monkeypatch
 ):
     """A channel that no comm uses any more at this end is freed here, while
     the peer still has a comm that used it, open but idle: the peer must not
@@ -289,7 +350,7 @@ async def test_a_channel_released_at_one_end_is_released_at_the_other(
 
 @gen_test(timeout=120)
 async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
-    tmp_path, monkeypatch
+    channel_for_host_frames, tmp_path, monkeypatch
 ):
     """Two processes that write large frames to each other at once, each on
     a comm it dialled, open a channel each: both must keep the same one, and
@@ -367,7 +428,9 @@ def test_peer_on_this_host_in_another_pid_namespace(tmp_path):
         assert proc.poll() is None  # the server lives
 
 
-def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(tmp_path):
+def test_receiver_exits_cleanly_after_its_sender_died_with_frames_pending(
+    channel_for_host_frames, tmp_path
+):
     """A sender killed with frames still pending in MPI: at exit, the receiver
     must not copy from its memory (UCX would abort it) and exits with 0"""
     path, flooded = str(tmp_path / "address"), str(tmp_path / "flooded")
@@ -405,7 +468,9 @@ def test_receiver_survives_a_sender_that_died_while_mpi_copied_its_message(
     assert "Fatal" not in out and "process_vm_readv" not in out, out
 
 
-def test_processes_exit_without_ucx_warnings_after_frames_left_unread(tmp_path):
+def test_processes_exit_without_ucx_warnings_after_frames_left_unread(
+    channel_for_host_frames, tmp_path
+):
     """A reader that stopped reading with frames pending over MPI: at exit,
     the receiver receives and drops them, and the sender's sends complete.
     UCX warned at MPI_Finalize about each message left unmatched (receiver)
@@ -425,7 +490,7 @@ def test_processes_exit_without_ucx_warnings_after_frames_left_unread(tmp_path):
     assert "UCX" not in sent, sent
 
 
-def test_separate_mpiexec_jobs(server):
+def test_separate_mpiexec_jobs(channel_for_host_frames, server):
     address, _ = server
     out = run_mpiexec([*PEER, "ping", address])
     assert "ping ok" in out
@@ -470,7 +535,9 @@ def test_an_mpi_connect_that_never_returns_is_reported_and_its_process_exits(
     assert "never returned" in known_mpi_crash(out)  # tests across hosts xfail
 
 
-def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_port):
+def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(
+    channel_for_host_frames, tmp_path, idle_port
+):
     """A channel that MPI fails to open does not fail the comm: both ends
     fall back to TCP for it, and for every later comm of the pair, which
     then does not wait for MPI again"""
@@ -495,7 +562,7 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(tmp_path, idle_
 
 @gen_test(timeout=60)
 async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_out_of_mpi(
-    tmp_path, monkeypatch, capsys
+    channel_for_host_frames, tmp_path, monkeypatch, capsys
 ):
     """A process whose event loop was busy when the port came, until after
     the acceptor's accept had timed out, does not connect: MPI would meet
@@ -532,7 +599,9 @@ async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_
     assert "UCX" not in out, out
 
 
-def test_a_channel_whose_greeting_fails_at_one_end_is_dropped_at_both(tmp_path):
+def test_a_channel_whose_greeting_fails_at_one_end_is_dropped_at_both(
+    channel_for_host_frames, tmp_path
+):
     """A peer that never sends its greeting over a new channel: the other
     end gives up on it after ``channel-timeout``, both drop the channel, and
     their comms move their data over TCP"""
@@ -569,7 +638,7 @@ async def open_channel(comm) -> mpi_channel.Channel:
 
 @gen_test(timeout=120)
 async def test_stalled_receive_closes_the_comm_and_the_two_go_over_tcp(
-    tmp_path, monkeypatch
+    channel_for_host_frames, tmp_path, monkeypatch
 ):
     """A frame that MPI never delivers (as when a killed process left UCX's
     shared-memory queue of the receiver blocked) does not stall the receiver
@@ -618,8 +687,12 @@ def server_copying_or_not(request, tmp_path, monkeypatch):
 async def test_frame_larger_than_2_gib(server_copying_or_not):
     """Copied, or through MPI in chunks (Open MPI 5 has no large counts)"""
     address, copies = server_copying_or_not
-    comm, _ = await _connect_with_channel(address)
-    assert comm.channel.peer_copies is copies
+    if copies:  # lent on the socket
+        comm, _ = await _connect_copying(address)
+        assert comm.channel is None
+    else:
+        comm, _ = await _connect_with_channel(address)
+        assert not comm.channel.peer_copies
     array = np.ones(2_500_000_000, dtype="u1")
     array[-1] = 7
     await comm.write({"op": "sum", "x": to_serialize(array)})
@@ -647,7 +720,7 @@ def held_by_mpi() -> tuple:
 
 
 @gen_test(timeout=240)
-async def test_workers_that_come_and_go_leave_nothing_behind():
+async def test_workers_that_come_and_go_leave_nothing_behind(channel_for_host_frames):
     """Workers, each an mpiexec job of its own, join a scheduler in this
     process, send it data, and leave, retired or killed: the scheduler frees
     what it held for them, and no shared-memory file of theirs is left"""
@@ -678,7 +751,9 @@ async def test_workers_that_come_and_go_leave_nothing_behind():
 
 
 @gen_test(timeout=120)
-async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(server, monkeypatch):
+async def test_new_jobs_go_over_tcp_once_mpich_would_take_no_more(
+    channel_for_host_frames, server, monkeypatch
+):
     """MPICH aborts a process that connects to its 1024th job: past
     MAX_JOBS, processes of new jobs are met over TCP, with one warning"""
     address, _ = server

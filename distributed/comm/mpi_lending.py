@@ -1,0 +1,108 @@
+"""Large host frames lent on a comm's own socket, between processes of one host.
+
+Between two processes of one host that talk over a Unix socket, where the
+reader may read the writer's memory, a large host frame needs no MPI channel:
+the writer names its address in the message's head and keeps it, the reader
+copies it straight from the writer's memory (``mpi_copy``) and says so with a
+note on the socket.  No MPI connection opens between such processes for host
+data: MPICH keeps 50-70 KB and three memory maps of every connection, whatever
+is freed (docs/mpi-design.rst, "Long-running clusters"), and an MPI message
+to end a copy cost more than the note.
+
+Right after the handshake each end says, with a note, whether it copies from
+the other; until the peer said so, large frames take the channel's routes.
+Notes are heads (``mpi_head.Head``) that the socket stream hands to the
+:class:`Lender` as they arrive, never to the comm's reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import struct
+import time
+
+from tornado.iostream import StreamClosedError
+
+from distributed.comm import mpi_policy as policy
+from distributed.comm.mpi_copy import Lease
+from distributed.comm.mpi_head import Head
+from distributed.comm.mpi_liveness import LocalPeer
+from distributed.comm.mpi_startup import config
+from distributed.comm.mpi_stream import SocketStream
+
+
+class Lender:
+    """One comm's frames lent to its peer, and what the two ends told each
+    other about copying"""
+
+    def __init__(self):
+        self.peer_copies = False  # the peer said it copies from this process
+        self.writer: LocalPeer | None = None  # the peer, which this one copies from
+        self._leases: dict[int, Lease] = {}  # by tag, until the reader has them
+        self._tags = itertools.count(1)
+        self._returned: asyncio.Event | None = None  # set when none is lent
+
+    def start(self, stream: SocketStream, peer) -> None:
+        """After the handshake, on a Unix socket: take the peer's notes, and
+        say whether this end copies from the peer"""
+        if stream.socket.family != socket.AF_UNIX:
+            return
+        stream.take_notes(self._note)  # whatever this end does with them
+        if config("lend-on-socket") and policy.copies_from(peer):
+            self.writer = LocalPeer.find(peer)
+            stream.write_message([Head(False, 0, 0, [], note=Head.COPIES).pack()])
+
+    @property
+    def lent(self) -> int:
+        """Messages lent that the reader has not said it has"""
+        return len(self._leases)
+
+    def lend(self, frames: list) -> tuple[int, Lease]:
+        """Keep ``frames`` until the reader says it has them: their tag, and
+        the lease the reader checks after copying"""
+        tag, lease = next(self._tags), Lease(frames)
+        self._leases[tag] = lease
+        return tag, lease
+
+    def copied(self, stream: SocketStream, tag: int) -> None:
+        """Tell the writer that the frames of its message ``tag`` were copied"""
+        note = Head(False, 0, tag, [], note=Head.COPIED).pack()
+        try:
+            stream.write_message([note])
+        except StreamClosedError:
+            pass  # the writer is gone, and its lease with it
+
+    async def returned(self, stream: SocketStream, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for the reader to have every
+        frame lent so far, while the stream is open"""
+        deadline = time.monotonic() + timeout
+        while self._leases and not stream.closed() and time.monotonic() < deadline:
+            self._returned = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                # Now and then: whether the stream closed meanwhile
+                await asyncio.wait_for(self._returned.wait(), 0.1)
+        self._returned = None
+
+    def drop(self) -> None:
+        """Give every lent frame up: a reader that copies them yet fails"""
+        self._leases.clear()
+        if self._returned is not None:
+            self._returned.set()
+
+    def _note(self, frame: memoryview) -> bool:
+        try:
+            head = Head.unpack(frame)
+        except (struct.error, IndexError, TypeError):
+            return False  # not a note: the comm's read says it is garbage
+        if head.note == Head.COPIES:
+            self.peer_copies = bool(config("lend-on-socket"))
+        elif head.note == Head.COPIED:
+            self._leases.pop(head.tag, None)
+            if not self._leases and self._returned is not None:
+                self._returned.set()
+        else:
+            return False
+        return True
