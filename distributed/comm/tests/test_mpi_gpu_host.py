@@ -57,6 +57,7 @@ def serving(route: str, monkeypatch, tmp_path):
         # Whatever the defaults, larger frames take the channel's routes
         "inline-size": 1024,
         "local-inline-size": 1024,
+        "lend-on-socket": False,
         "cuda-aware": route == "direct",
         "device-ipc": route == "ipc",
     }
