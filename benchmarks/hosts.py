@@ -29,7 +29,7 @@ runs with ``UCX_PROTO_INFO_DIR``, and the protocols and transports UCX picked
 between hosts are recorded from the graphs it writes there. Checks (a failed
 one makes the exit status non-zero): the transports are all ``tcp/eth0``; on
 mpi:// the ping-pong's messages of 1 MiB or more and the workloads' data moved
-over MPI channels (``moved_over_mpi``, on the workers through ``client.run``);
+over MPI channels (``moved_off_the_socket``, on the workers through ``client.run``);
 ``eth0`` carried the ping-pong's payloads. The exit status of every process is
 recorded.
 
@@ -119,9 +119,9 @@ async def client(address: str, quick: bool) -> dict:
         # half pingpong.py's: every size runs in two rounds
         results[size] = await timed(msg, repetitions(size, quick, budget=2**25))
     if address.startswith("mpi://"):
-        from distributed.comm.tests.mpi_processes import moved_over_mpi
+        from distributed.comm.tests.mpi_processes import moved_off_the_socket
 
-        results["over_mpi_bytes"] = moved_over_mpi()
+        results["over_mpi_bytes"] = moved_off_the_socket()
     await comm.close()
     return results
 
@@ -149,9 +149,9 @@ def run_workloads(protocol: str, scheduler_file: str, workers: int, args) -> dic
             for name in NAMES
         }
         if protocol == "mpi":
-            from distributed.comm.tests.mpi_processes import moved_over_mpi
+            from distributed.comm.tests.mpi_processes import moved_off_the_socket
 
-            results["moved_over_mpi"] = client.run(moved_over_mpi)
+            results["moved_over_mpi"] = client.run(moved_off_the_socket)
         print(json.dumps(results), flush=True)
         client.shutdown()
     return results

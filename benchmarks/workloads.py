@@ -429,11 +429,12 @@ def _counters(dask_worker) -> dict:
         and "comms" in str(k[2])
         and k[-2:] == ("process", "bytes")
     )
-    mpi = None
+    mpi = None  # bytes moved off the comms' sockets: over MPI, or copied
     channel = sys.modules.get("distributed.comm.mpi_channel")  # never imports it
+    lending = sys.modules.get("distributed.comm.mpi_lending")
     if channel is not None:
         with contextlib.suppress(Exception):
-            mpi = channel.channels.moved()
+            mpi = channel.channels.moved() + (lending.Lender.moved if lending else 0)
     return {
         "fetched": dask_worker.transfer_outgoing_bytes_total,
         "p2p": p2p,

@@ -306,7 +306,7 @@ class MPI(TCP):
         except BaseException:
             self.abort()  # the stream's position is unknown
             raise
-        self._lender.copied(self.stream, head.tag)
+        self._lender.copied(self.stream, head.tag, sum(f.nbytes for f in copied))
         for (index, *_), frame in zip(head.frames, copied):  # in index order
             frames.insert(index, frame)
         return frames

@@ -38,6 +38,9 @@ class Lender:
     """One comm's frames lent to its peer, and what the two ends told each
     other about copying"""
 
+    # Bytes of the frames that this process's comms lent or copied
+    moved = 0
+
     def __init__(self):
         self.peer_copies = False  # the peer said it copies from this process
         self.writer: LocalPeer | None = None  # the peer, which this one copies from
@@ -65,10 +68,13 @@ class Lender:
         the lease the reader checks after copying"""
         tag, lease = next(self._tags), Lease(frames)
         self._leases[tag] = lease
+        Lender.moved += sum(frame.nbytes for frame in frames)
         return tag, lease
 
-    def copied(self, stream: SocketStream, tag: int) -> None:
-        """Tell the writer that the frames of its message ``tag`` were copied"""
+    def copied(self, stream: SocketStream, tag: int, nbytes: int) -> None:
+        """Tell the writer that the frames of its message ``tag``, ``nbytes``
+        in all, were copied"""
+        Lender.moved += nbytes
         note = Head(False, 0, tag, [], note=Head.COPIED).pack()
         try:
             stream.write_message([note])

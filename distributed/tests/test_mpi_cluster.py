@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import signal
@@ -27,9 +26,8 @@ from distributed.comm import get_address_host, mpi_buffers, mpi_channel
 from distributed.utils import open_port
 from distributed.utils_test import gen_test
 from distributed.comm.tests.mpi_processes import (
-    channels_to_others,
     known_mpi_crash,
-    moved_over_mpi,
+    moved_off_the_socket,
     mpiexec,
     run_mpiexec,
     wait_for_file,
@@ -50,16 +48,16 @@ def scheduler_and_workers(
 
 def assert_moves_data(client) -> None:
     """Compute something that needs data from other workers; check the result,
-    and that data moved over MPI (once a channel opened, after the first
-    large frame between two workers)"""
+    and that large frames moved as mpi:// moves them (copied from the
+    writer's memory between processes of one host, else over MPI)"""
     x = da.random.RandomState(42).random((4000, 4000), chunks=(1000, 1000))
     expected = (x + x.T).sum().compute(scheduler="sync")
     for _ in range(10):
         assert np.isclose(client.compute((x + x.T).sum()).result(), expected)
-        if sum(client.run(moved_over_mpi).values()) > 0:
+        if sum(client.run(moved_off_the_socket).values()) > 0:
             break
     else:
-        raise AssertionError("no data moved over MPI between workers")
+        raise AssertionError("no large frame moved between workers")
     assert sum(transfers(client).values()) > 0, "no data moved between workers"
 
 
@@ -82,38 +80,18 @@ def transfers(client) -> dict[str, int]:
     )
 
 
-def open_channels(client, timeout: float = 60) -> None:
-    """Move an array of 4 MiB (over MPI: ``local-inline-size`` is 4 MiB) between
-    every two workers until each has an MPI channel to every other one"""
-    workers = sorted(client.scheduler_info()["workers"])
-    deadline = time.monotonic() + timeout
-    while min(client.run(channels_to_others).values()) < len(workers) - 1:
-        assert time.monotonic() < deadline, "no MPI channels between the workers"
-        sums = [
-            client.submit(
-                np.sum,
-                client.submit(np.ones, 2**19, workers=[a], pure=False),
-                workers=[b],
-                allow_other_workers=False,
-            )
-            for a, b in itertools.permutations(workers, 2)
-        ]
-        assert client.gather(sums) == [2**19] * len(sums)
-        time.sleep(0.05)
-
-
-def compute_while_frames_move_over_mpi(client, timeout: float = 60):
-    """Start a graph whose chunks (8 MB) go over MPI, on channels opened
-    first; return once its frames move: its future and the right result"""
-    open_channels(client)
+def compute_while_large_frames_move(client, timeout: float = 60):
+    """Start a graph whose chunks (8 MB) are copied from the writers' memory
+    (or go over MPI); return once its frames move: its future and the right
+    result"""
     x = da.random.RandomState(3).random((3000, 3000), chunks=(1000, 1000))
     graph = (x + x.T).sum()
     expected = graph.compute(scheduler="sync")
-    before = sum(client.run(moved_over_mpi).values())
+    before = sum(client.run(moved_off_the_socket).values())
     future = client.compute(graph)
     deadline = time.monotonic() + timeout
-    while sum(client.run(moved_over_mpi).values()) == before:
-        assert time.monotonic() < deadline, "no frame moved over MPI"
+    while sum(client.run(moved_off_the_socket).values()) == before:
+        assert time.monotonic() < deadline, "no large frame moved"
         time.sleep(0.01)
     return future, expected
 
@@ -284,7 +262,7 @@ def test_killed_worker_does_not_take_the_cluster_down(tmp_path):
         wait_for_file(scheduler_file, sched)
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
-            future, expected = compute_while_frames_move_over_mpi(client)
+            future, expected = compute_while_large_frames_move(client)
             victim.crash()
             assert np.isclose(future.result(timeout=60), expected)
             survivors = len(client.scheduler_info()["workers"])
@@ -307,7 +285,7 @@ def test_killed_worker_process_in_one_job(tmp_path):
         with Client(scheduler_file=scheduler_file, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             victim = next(iter(client.run(os.getpid).values()))
-            future, expected = compute_while_frames_move_over_mpi(client)
+            future, expected = compute_while_large_frames_move(client)
             os.kill(victim, signal.SIGKILL)
             assert np.isclose(future.result(timeout=60), expected)
             client.wait_for_workers(3, timeout=60)
@@ -386,7 +364,7 @@ async def test_signalled_worker_exits_quietly(worker_class, sig):
 
 @gen_test(timeout=120)
 async def test_scheduler_exchanging_only_control_messages_holds_no_channel():
-    """Workers move data between them over MPI; the scheduler and the client,
+    """Workers move data between them; the scheduler and the client,
     which only exchange small messages with them, open no MPI channel, so
     MPICH's per-connection memory and its limit of jobs do not apply to them"""
     worker = ["-m", "distributed.cli.dask_worker", "--no-nanny", "--nthreads", "1"]
@@ -399,7 +377,7 @@ async def test_scheduler_exchanging_only_control_messages_holds_no_channel():
                     x = c.submit(np.full, 2**20, i, workers=[a], pure=False)
                     y = c.submit(np.sum, x, workers=[b])
                     assert await y == i * 2**20
-                moved = await c.run(moved_over_mpi)
+                moved = await c.run(moved_off_the_socket)
                 assert moved[a] > 0 and moved[b] > 0
                 assert mpi_channel.channels.to_others() == []
                 await c.shutdown()

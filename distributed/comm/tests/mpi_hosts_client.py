@@ -32,13 +32,13 @@ def about() -> dict:
     """What a worker says of itself (run on workers)"""
     from distributed.comm import mpi_startup
     from distributed.comm.mpi_channel import channels
-    from distributed.comm.tests.mpi_processes import moved_over_mpi
+    from distributed.comm.tests.mpi_processes import moved_off_the_socket
 
     return {
         "hostname": socket.gethostname(),
         "library": mpi_startup.library(),
         "world": mpi_startup.world(),
-        "moved": moved_over_mpi(),
+        "moved": moved_off_the_socket(),
         # An intercommunicator: the two met with accept/connect, as separate
         # jobs do; an intracommunicator: made by Create_group, as one job
         "channels": [

@@ -150,13 +150,14 @@ def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 60) -> str
         return f.read()
 
 
-def moved_over_mpi() -> int:
-    """Bytes of frames this process moved over MPI channels to and from
-    others: sent through MPI, or copied from the writer's memory on one host
-    (for ``client.run``: workers import it from here)"""
+def moved_off_the_socket() -> int:
+    """Bytes of frames this process moved to and from others other than on
+    the comm's socket: over MPI channels, or copied from the writer's memory
+    on one host (for ``client.run``: workers import it from here)"""
     from distributed.comm.mpi_channel import channels
+    from distributed.comm.mpi_lending import Lender
 
-    return channels.moved()
+    return channels.moved() + Lender.moved
 
 
 def channels_to_others() -> int:
