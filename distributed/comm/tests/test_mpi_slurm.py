@@ -111,6 +111,9 @@ def test_srun_dask_mpi(slurm, nanny):
     channels are made within the job (intracommunicators)"""
     pytest.importorskip("dask_mpi")
     slurm.env.update(SRUN_MPICH)
+    # Workers on one host open channels for host data too (not lent on their
+    # Unix sockets): the channels this test checks
+    slurm.env["DASK_DISTRIBUTED__COMM__MPI__LEND_ON_SOCKET"] = "False"
     path = slurm.path("scheduler.json")
     argv = ["srun", "--mpi=pmi2", "-N", "2", "-n", "4", PYTHON, "-m", "dask_mpi.cli"]
     argv += ["--protocol", "mpi", "--scheduler-file", path, "--no-dashboard"]
