@@ -194,16 +194,9 @@ async def test_cupy_arrays_between_two_processes(tmp_path):
         assert raw == b"bytes"
 
 
-@gpu
-@pytest.mark.parametrize("ipc", [True, False])
-@gen_test(timeout=120)
-async def test_cupy_arrays_by_ipc_or_through_mpi(tmp_path, monkeypatch, ipc):
-    """Between processes of one host device frames are copied from the
-    writer's GPU memory (``device-ipc``), not staged or sent through MPI;
-    with it off, they are.  Frames of one pool allocation, and of several"""
-    import cupy
-
-    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__DEVICE_IPC", str(ipc))
+@pytest.fixture
+def staged_copies(monkeypatch):
+    """The copies between the GPU and pinned host memory, as they are made"""
     staged = mpi_gpu._Stager.copy
     calls = []
 
@@ -212,6 +205,21 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(tmp_path, monkeypatch, ipc):
         return await staged(self, *args, **kwargs)
 
     monkeypatch.setattr(mpi_gpu._Stager, "copy", copy)
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("ipc", [True, False])
+@gen_test(timeout=120)
+async def test_cupy_arrays_by_ipc_or_through_mpi(
+    tmp_path, monkeypatch, staged_copies, ipc
+):
+    """Between processes of one host device frames are copied from the
+    writer's GPU memory (``device-ipc``), not staged or sent through MPI;
+    with it off, they are.  Frames of one pool allocation, and of several"""
+    import cupy
+
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__DEVICE_IPC", str(ipc))
     with dask.config.set({"distributed.comm.mpi.device-ipc": ipc}):
         async with comm_to_a_peer(tmp_path) as comm:
             pool = cupy.arange(2**24, dtype="u1")  # pieces of one allocation
@@ -219,26 +227,18 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(tmp_path, monkeypatch, ipc):
                 y = (await echoed(comm, [x, x + 1]))["x"]
                 assert bool((y[0] == x).all()) and bool((y[1] == x + 1).all())
     if ipc or mpi_gpu.cuda_aware(await mpi_startup.mpi_ready())[0]:
-        assert not calls  # received by IPC (or direct): nothing staged
+        assert not staged_copies  # received by IPC (or direct): nothing staged
     else:
-        assert calls
+        assert staged_copies
 
 
 @gpu
 @gen_test(timeout=120)
-async def test_memory_of_a_stream_ordered_pool_goes_staged(tmp_path, monkeypatch):
+async def test_memory_of_a_stream_ordered_pool_goes_staged(tmp_path, staged_copies):
     """cudaMallocAsync's memory has no legacy IPC handle: such frames take
     the route MPI allows (staged from PyPI's MPICH), and arrive right"""
     import cupy
 
-    staged = mpi_gpu._Stager.copy
-    calls = []
-
-    async def copy(self, *args, **kwargs):
-        calls.append(args)
-        return await staged(self, *args, **kwargs)
-
-    monkeypatch.setattr(mpi_gpu._Stager, "copy", copy)
     with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool().malloc):
         x = cupy.arange(2**22, dtype="u1")
     assert mpi_gpu.device().export(x) is None
@@ -246,7 +246,7 @@ async def test_memory_of_a_stream_ordered_pool_goes_staged(tmp_path, monkeypatch
         y = (await echoed(comm, [x, cupy.ones(2**22, "f8")]))["x"]
         assert bool((y[0] == x).all()) and bool((y[1] == 1).all())
     if not mpi_gpu.cuda_aware(await mpi_startup.mpi_ready())[0]:
-        assert calls
+        assert staged_copies
 
 
 @gpu
