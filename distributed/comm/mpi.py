@@ -374,8 +374,7 @@ class MPI(TCP):
             for i, frame in zip(large, lent)
         ]
         head = Head(False, Head.LENT, tag, entries, lease.head).pack()
-        skip = set(large)
-        inline = [f for i, f in enumerate(frames) if i not in skip]
+        inline = _inline(frames, large)
         return self.write_frames([head, *inline]) + sum(f.nbytes for f in lent)
 
     async def _write_routed(self, channel: Channel, frames: list, large: list):
@@ -399,8 +398,7 @@ class MPI(TCP):
         # copied them
         sent = sum(size for _, size, _, _ in entries)
         channel.nbytes += sent
-        skip = set(large)
-        inline = [f for i, f in enumerate(frames) if i not in skip]
+        inline = _inline(frames, large)
         try:
             if not any(route.posts_as_it_goes for route, _ in plan):
                 # Sends first: MPI moves the data while the head travels
@@ -477,6 +475,12 @@ def _large_frames(frames: list, link: _Link) -> list[int]:
         if (size := _size(frame)) >= link.host_inline_size
         or (size >= link.inline_size and mpi_gpu.is_device(frame))
     ]
+
+
+def _inline(frames: list, large: list[int]) -> list:
+    """The frames of a message that travel on the socket"""
+    skip = set(large)
+    return [f for i, f in enumerate(frames) if i not in skip]
 
 
 def _size(frame) -> int:

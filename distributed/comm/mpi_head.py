@@ -12,7 +12,8 @@ class Head(NamedTuple):
     their own (see ``distributed.comm.mpi_routes``; or are lent on the
     socket, ``distributed.comm.mpi_lending``), or whose writer wants a
     channel opened: which frames, which route each takes, on which channel
-    and tag.  Alone in a message, a note between two ends that lend.  The message's other frames follow it on the socket, in order.
+    and tag; alone in a message, a note between two ends that lend.  The
+    message's other frames follow it on the socket, in order.
     Other messages go as ``tcp://`` writes them: their first frame is
     msgpack, which never starts with the byte that a head starts with."""
 
