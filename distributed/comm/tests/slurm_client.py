@@ -74,17 +74,23 @@ def scancel_while_moving(client: Client, job_id: str) -> dict:
     wait(futures[:2])
     subprocess.run(["scancel", job_id], check=True)
     # A result held by the cancelled worker is lost, then computed again
-    right, errors = 0, []
+    right, wrong, errors = 0, [], []
     for i, future in enumerate(futures):
         try:
-            right += bool(future.result(timeout=120) == i * SIZE)
+            result = future.result(timeout=120)
         except Exception as e:
             errors.append(repr(e))
+            continue
+        if result == i * SIZE:
+            right += 1
+        else:  # what came instead says where it went wrong
+            wrong.append({"i": i, "got": int(result), "pair": pairs[i]})
     x = client.submit(np.full, SIZE, 1.0, pure=False)
     after = bool(client.submit(np.sum, x).result(timeout=60) == SIZE)
     return {
         "results": len(futures),
         "right_after_scancel": right,
+        "wrong": wrong,
         "errors": errors,
         "after": after,
     }

@@ -175,7 +175,10 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     start = time.monotonic()
     report = client(slurm, "jobqueue", "3", "scancel")
     assert not report["errors"], report["errors"]
-    assert report["right_after_scancel"] == report["results"], report
+    # The wrong results first: pytest shortens a long report
+    assert (
+        report["right_after_scancel"] == report["results"]
+    ), f"wrong: {report['wrong']}\n{report}\n{slurm.logs()}"
     assert report["after"], report
     logs = slurm.logs()
     if report["survivors"] < 2 and (crash := known_mpi_crash(logs)):
