@@ -180,9 +180,14 @@ def workloads_lines(wl: dict) -> list[str]:
         "The interval after mpi/tcp: 95 % of bootstrap resamplings of the pairs "
         "fall there.",
         "",
+        "In transfers: seconds of the workers' transfers of task data (fetching "
+        "a task's inputs, P2P's sends), summed over the workers and over "
+        "transfers at once.",
+        "",
         "| workload | launched by | tcp:// | mpi:// | mpi/tcp | moved between workers "
-        "| over MPI | CPU s tcp:// | CPU s mpi:// |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| over MPI | CPU s tcp:// | CPU s mpi:// | in transfers s tcp:// "
+        "| in transfers s mpi:// |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, table in wl["workloads"].items():
         for name, row in table.items():
@@ -195,10 +200,13 @@ def workloads_lines(wl: dict) -> list[str]:
             ratio = f"{row['mpi/tcp']:.2f}" if "mpi/tcp" in row else "-"
             if "mpi/tcp 95%" in row:
                 ratio += " ({:.2f}-{:.2f})".format(*row["mpi/tcp 95%"])
+            in_transfers = lambda r: (  # noqa: E731
+                f"{r['transfer_seconds']:.2f}" if "transfer_seconds" in r else "-"
+            )
             lines.append(
                 f"| {name} | {mode} | {secs(t)} | {secs(m)} | {ratio} | "
                 f"{mib((m or t).get('bytes_moved'))} | {mib(m.get('over_mpi_bytes'))} | "
-                f"{cpu(t)} | {cpu(m)} |"
+                f"{cpu(t)} | {cpu(m)} | {in_transfers(t)} | {in_transfers(m)} |"
             )
     return lines
 

@@ -58,7 +58,10 @@ including each worker's share to itself), CPU seconds of the scheduler (and
 the client, in LocalCluster) and the workers, and on mpi:// the bytes of frames
 that went over MPI channels between workers (sent through MPI, or, between
 processes of one host, copied from the writer's memory; the others went on the
-comms' TCP connections).
+comms' TCP connections), and the seconds of the workers' transfers of task
+data (``transfer_seconds``: fetching a task's inputs, and P2P's sends of
+shards, as Dask's own performance metrics count them, summed over the
+workers and over transfers at once).
 
 ``--control`` runs ``tcp://`` in ``mpi://``'s place as well, the same way: its
 ratios show how far two runs of one transport land apart on this machine, the
@@ -429,6 +432,18 @@ def _counters(dask_worker) -> dict:
         and "comms" in str(k[2])
         and k[-2:] == ("process", "bytes")
     )
+    # Seconds of transfers of task data: fetching a task's inputs, and P2P's
+    # sends of shards (Dask's own fine performance metrics)
+    transfers = sum(
+        v
+        for k, v in dask_worker.digests_total.items()
+        if isinstance(k, tuple)
+        and k[-1] == "seconds"
+        and (
+            k == ("gather-dep", "network", "seconds")
+            or (k[0] == "p2p" and "comms" in str(k[2]) and k[-2] == "send")
+        )
+    )
     mpi = None  # bytes moved off the comms' sockets: over MPI, or copied
     channel = sys.modules.get("distributed.comm.mpi_channel")  # never imports it
     lending = sys.modules.get("distributed.comm.mpi_lending")
@@ -439,6 +454,7 @@ def _counters(dask_worker) -> dict:
         "fetched": dask_worker.transfer_outgoing_bytes_total,
         "p2p": p2p,
         "mpi": mpi,
+        "transfers": transfers,
         "cpu": _cpu(),
     }
 
@@ -458,7 +474,7 @@ def counters(client) -> dict:
             if all(c[key] is not None for c in per_worker)
             else None
         )
-        for key in ["fetched", "p2p", "mpi", "cpu"]
+        for key in ["fetched", "p2p", "mpi", "transfers", "cpu"]
     }
     total["cpu"] += client.run_on_scheduler(_cpu)
     if total["mpi"] is not None:
@@ -489,6 +505,7 @@ def run_once(client, name: str, params: dict, on_mpi: bool) -> dict:
         "moved": after["fetched"] - before["fetched"] + after["p2p"] - before["p2p"],
         "p2p": after["p2p"] - before["p2p"],
         "mpi": mpi,
+        "transfers": after["transfers"] - before["transfers"],
         "cpu": after["cpu"] - before["cpu"],
     }
 
@@ -507,6 +524,7 @@ def figures(runs: list[dict]) -> dict:
         "p2p_bytes": statistics.median(r["p2p"] for r in runs),
         "over_mpi_bytes": statistics.median(mpi) if mpi else None,
         "cpu_seconds": statistics.median(r["cpu"] for r in runs),
+        "transfer_seconds": statistics.median(r["transfers"] for r in runs),
     }
 
 
@@ -797,6 +815,9 @@ def summarize(results: dict, names: list[str]) -> None:
                         d["cpu_seconds"] for d in done.values()
                     ),
                 }
+                transfers = [d.get("transfer_seconds") for d in done.values()]
+                if None not in transfers:  # results of an older run lack it
+                    row[protocol]["transfer_seconds"] = statistics.median(transfers)
                 mpi = [
                     d["over_mpi_bytes"]
                     for d in done.values()
