@@ -4,6 +4,7 @@ on a machine with a GPU.
 
     python benchmarks/gpu.py [--quick] [--out benchmarks/results]
     python benchmarks/gpu.py --plot gpu.json
+    python benchmarks/gpu.py --quick --host-arrays --out /tmp/rehearsal
 
 - ping-pong: a CuPy array of 1 B to 1 GiB, echoed as device frames by a server
   process (``deserialize=False``), timed through distributed's comm API;
@@ -19,6 +20,9 @@ CUDA-aware; measured only where ``python -m distributed.comm.mpi_probe`` says
 it is, or with ``--direct``).  Each transport is measured in a process of
 its own, stopped after ``--limit`` seconds; ``gpu.json`` (rewritten after each
 transport) says which did not finish.  Writes ``gpu.json`` and ``gpu.png``.
+
+``--host-arrays`` puts numpy in CuPy's place: a rehearsal of the whole run on
+a machine without a GPU, whose figures say nothing about GPUs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ import pingpong
 from processes import kill, launch
 
 HERE = os.path.abspath(__file__)
+# Set by --host-arrays, for every process of the run
+HOST_ARRAYS = "GPU_BENCHMARK_HOST_ARRAYS"
+
+
+def array_module():
+    """CuPy, or numpy in a rehearsal (``--host-arrays``)"""
+    if os.environ.get(HOST_ARRAYS):
+        import numpy
+
+        return numpy
+    import cupy
+
+    return cupy
 
 
 def sizes(quick: bool) -> list[int]:
@@ -51,7 +68,7 @@ def repetitions(size: int, quick: bool) -> int:
 
 
 async def client(address: str, quick: bool) -> dict:
-    import cupy
+    cupy = array_module()
 
     from distributed.comm import connect
     from distributed.protocol import to_serialize
@@ -84,8 +101,9 @@ async def client(address: str, quick: bool) -> dict:
 
 
 def transpose_sum(n: int, chunk: int):
-    import cupy
     import dask.array as da
+
+    cupy = array_module()
 
     rs = da.random.RandomState(RandomState=cupy.random.RandomState)
     x = rs.random((n, n), chunks=chunk)
@@ -93,8 +111,9 @@ def transpose_sum(n: int, chunk: int):
 
 
 def dot(n: int, chunk: int):
-    import cupy
     import dask.array as da
+
+    cupy = array_module()
 
     rs = da.random.RandomState(RandomState=cupy.random.RandomState)
     a = rs.random((n, n), chunks=chunk)
@@ -103,8 +122,9 @@ def dot(n: int, chunk: int):
 
 
 def rechunk(n: int, pieces: int):
-    import cupy
     import dask.array as da
+
+    cupy = array_module()
 
     rs = da.random.RandomState(RandomState=cupy.random.RandomState)
     x = rs.random((n, n), chunks=(n, n // pieces))
@@ -113,8 +133,9 @@ def rechunk(n: int, pieces: int):
 
 def gather(arrays: int, mib: int):
     """``arrays`` arrays of ``mib`` MiB, made on the workers, summed on one"""
-    import cupy
     import dask
+
+    cupy = array_module()
 
     @dask.delayed(pure=False)
     def make(i):
@@ -249,6 +270,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     parser.add_argument("--plot", metavar="JSON", help="only plot a run's results")
     parser.add_argument(
+        "--host-arrays",
+        action="store_true",
+        help="numpy in CuPy's place: rehearse the run without a GPU",
+    )
+    parser.add_argument(
         "--limit",
         type=float,
         default=120,
@@ -267,15 +293,20 @@ def main() -> None:
         return
     repeat = args.repeat or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
-
-    import cupy
+    if args.host_arrays:
+        os.environ[HOST_ARRAYS] = "1"
+    cupy = array_module()
 
     aware, why = cuda_aware()
     if args.direct and not aware:
         why += "; mpi:// direct measured anyway (--direct)"
     results = {
         "machine": pingpong.versions(),
-        "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "gpu": (
+            "none: numpy arrays (--host-arrays)"
+            if args.host_arrays
+            else cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        ),
         "cupy": cupy.__version__,
         "cuda_aware": why,
         "quick": args.quick,
@@ -290,7 +321,7 @@ def main() -> None:
     variants = [("mpi:// ipc", "mpi", {})]
     if importlib.util.find_spec("distributed_ucxx"):
         # As dask-cuda does, so that UCX sees the GPU
-        ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": "True"}
+        ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": str(not args.host_arrays)}
         variants.append(("ucx://", "ucx", ucx))
     variants += [("tcp://", "tcp", {}), ("mpi:// staged", "mpi", {**NO_IPC})]
     if aware or args.direct:

@@ -59,6 +59,8 @@ def copy_run(results: str) -> None:
             continue
         with open(source) as f:
             data = json.load(f)
+        if name == "gpu" and data.get("gpu", "").startswith("none"):
+            sys.exit(f"{source} is a rehearsal without a GPU: not published")
         for path in RAW.get(name, []):
             _drop(data, path)
         if name == "soak":
