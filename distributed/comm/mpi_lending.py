@@ -18,11 +18,9 @@ Notes are heads (``mpi_head.Head``) that the socket stream hands to the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import socket
 import struct
-import time
 
 from tornado.iostream import StreamClosedError
 
@@ -46,7 +44,7 @@ class Lender:
         self.writer: LocalPeer | None = None  # the peer, which this one copies from
         self._leases: dict[int, Lease] = {}  # by tag, until the reader has them
         self._tags = itertools.count(1)
-        self._returned: asyncio.Event | None = None  # set when none is lent
+        self._returned: asyncio.Future | None = None  # done when none is lent
 
     def start(self, stream: SocketStream, peer) -> None:
         """After the handshake, on a Unix socket: take the peer's notes, and
@@ -84,19 +82,26 @@ class Lender:
     async def returned(self, stream: SocketStream, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the reader to have every
         frame lent so far, while the stream is open"""
-        deadline = time.monotonic() + timeout
-        while self._leases and not stream.closed() and time.monotonic() < deadline:
-            self._returned = asyncio.Event()
-            with contextlib.suppress(asyncio.TimeoutError):
-                # Now and then: whether the stream closed meanwhile
-                await asyncio.wait_for(self._returned.wait(), 0.1)
-        self._returned = None
+        if not self._leases:
+            return
+        self._returned = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait(
+                [self._returned, stream.when_closed()],
+                timeout=timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            self._returned = None
 
     def drop(self) -> None:
         """Give every lent frame up: a reader that copies them yet fails"""
         self._leases.clear()
-        if self._returned is not None:
-            self._returned.set()
+        self._none_lent()
+
+    def _none_lent(self) -> None:
+        if self._returned is not None and not self._returned.done():
+            self._returned.set_result(None)
 
     def _note(self, frame: memoryview) -> bool:
         try:
@@ -107,8 +112,8 @@ class Lender:
             self.peer_copies = bool(config("lend-on-socket"))
         elif head.note == Head.COPIED:
             self._leases.pop(head.tag, None)
-            if not self._leases and self._returned is not None:
-                self._returned.set()
+            if not self._leases:
+                self._none_lent()
         else:
             return False
         return True

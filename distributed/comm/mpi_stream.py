@@ -74,7 +74,7 @@ class SocketStream:
         self._waiter: asyncio.Future | None = None  # waits for one
         self._outbox = _Outbox(sock, self._loop)
         self._closed = False
-        self._closing: list[asyncio.Future] = []  # read_until_close
+        self._closing: list[asyncio.Future] = []  # done when it closes
         self._close_callback = None
         self._reading = False
         self._read_on()
@@ -131,13 +131,19 @@ class SocketStream:
     def read_until_close(self) -> asyncio.Future:
         """A future that is done when the stream closes; what comes
         meanwhile is dropped"""
+        fut = self.when_closed()
+        if not self._closed:
+            self._discard = True
+            self._take()
+        return fut
+
+    def when_closed(self) -> asyncio.Future:
+        """A future that is done when the stream closes"""
         fut = self._loop.create_future()
         if self._closed:
             fut.set_result(b"")
         else:
             self._closing.append(fut)
-            self._discard = True
-            self._take()
         return fut
 
     def close(self, error: BaseException | None = None) -> None:

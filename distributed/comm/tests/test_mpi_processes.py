@@ -204,6 +204,24 @@ async def test_lent_frames_go_when_their_reader_dies(server):
 
 
 @gen_test(timeout=120)
+async def test_a_closing_comm_stops_waiting_when_its_reader_dies(server):
+    """A comm that closes with frames lent waits for its reader, and stops
+    waiting as soon as the reader dies, not after ``LEND_AFTER_CLOSE``"""
+    address, proc = server
+    comm = await connect(address)
+    await comm.write({"op": "stop-reading"})
+    await comm.write({"x": np.ones(2_000_000)})  # lent, never read
+    closing = asyncio.create_task(comm.close())
+    await asyncio.sleep(0.5)
+    assert not closing.done()  # it waits for the reader
+    start = time.monotonic()
+    proc.crash()
+    await asyncio.wait_for(closing, 5)
+    assert time.monotonic() - start < 2
+    assert not comm.lent
+
+
+@gen_test(timeout=120)
 async def test_a_comm_closed_after_a_write_keeps_its_lent_frames_for_the_reader(
     server,
 ):
