@@ -74,10 +74,14 @@ def scancel_while_moving(client: Client, job_id: str) -> dict:
     wait(futures[:2])
     subprocess.run(["scancel", job_id], check=True)
     # A result held by the cancelled worker is lost, then computed again
-    right, wrong, errors = 0, [], []
+    right, wrong, errors, stuck = 0, [], [], []
+    deadline = time.monotonic() + 60  # within the test's own timeout
     for i, future in enumerate(futures):
         try:
-            result = future.result(timeout=120)
+            result = future.result(timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            stuck.append(future.key)
+            continue
         except Exception as e:
             errors.append(repr(e))
             continue
@@ -85,8 +89,19 @@ def scancel_while_moving(client: Client, job_id: str) -> dict:
             right += 1
         else:  # what came instead says where it went wrong
             wrong.append({"i": i, "got": int(result), "pair": pairs[i]})
+    if stuck:  # what the scheduler says of them
+        errors += [
+            f"not done after 60 s: {task}"
+            for task in client.run_on_scheduler(_tasks, keys=stuck)
+        ]
+        return {
+            "results": len(futures),
+            "right_after_scancel": right,
+            "wrong": wrong,
+            "errors": errors,
+        }
     x = client.submit(np.full, SIZE, 1.0, pure=False)
-    after = bool(client.submit(np.sum, x).result(timeout=60) == SIZE)
+    after = bool(client.submit(np.sum, x).result(timeout=30) == SIZE)
     return {
         "results": len(futures),
         "right_after_scancel": right,
@@ -94,6 +109,20 @@ def scancel_while_moving(client: Client, job_id: str) -> dict:
         "errors": errors,
         "after": after,
     }
+
+
+def _tasks(dask_scheduler, keys: list) -> list[str]:
+    """Where the scheduler has the tasks of ``keys`` and their inputs"""
+    out = []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            out.append(f"{key}: unknown")
+            continue
+        for t in [ts, *ts.dependencies]:
+            where = t.processing_on or sorted(w.address for w in t.who_has or ())
+            out.append(f"{t.key}: {t.state} {where}")
+    return out
 
 
 def jobqueue(njobs: int, cancel: bool) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,14 +57,21 @@ def client(slurm: SlurmCluster, *args: str, timeout: float = 120) -> dict:
     """Run ``slurm_client`` on the login node; its report"""
     argv = [PYTHON, "-m", "distributed.comm.tests.slurm_client", *args]
     proc = slurm.popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     with proc:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0] + f"\nclient timed out after {timeout}s"
+            # The whole group: the client runs below nsenter on simulated
+            # hosts, and would keep the pipe open
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate(timeout=10)[0] or ""
+            out += f"\nclient timed out after {timeout}s"
     for line in out.splitlines():
         if line.startswith("REPORT "):
             return json.loads(line[len("REPORT ") :])
@@ -173,8 +181,8 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     tasks are computed again elsewhere, and the cluster goes on"""
     pytest.importorskip("dask_jobqueue")
     start = time.monotonic()
-    report = client(slurm, "jobqueue", "3", "scancel")
-    assert not report["errors"], report["errors"]
+    report = client(slurm, "jobqueue", "3", "scancel", timeout=110)
+    assert not report["errors"], "\n".join(report["errors"]) + slurm.logs()
     # The wrong results first: pytest shortens a long report
     assert (
         report["right_after_scancel"] == report["results"]
