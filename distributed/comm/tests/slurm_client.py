@@ -25,13 +25,16 @@ from distributed import Client, wait
 from distributed.comm.tests.mpi_hosts_client import SIZE, about, wait_for_channels
 
 
-def move_between_all(client: Client) -> bool:
+def move_between_all(client: Client) -> tuple[bool, list[str]]:
     """Move an array from every worker to every other, twice (the first
     round opens MPI channels: its arrays go over TCP while they open, and
-    the second waits for them)"""
+    the second waits for them): whether the results were right, and what
+    the scheduler says of those not done after 60 s (a worker restarted
+    meanwhile never runs the tasks pinned to it)"""
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     pairs = list(itertools.permutations(workers, 2))
     right = True
+    deadline = time.monotonic() + 60
     for _ in range(2):
         futures = []
         for i, (a, b) in enumerate(pairs):
@@ -39,9 +42,14 @@ def move_between_all(client: Client) -> bool:
             futures.append(
                 client.submit(np.sum, x, workers=[b], allow_other_workers=False)
             )
+        try:
+            wait(futures, timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            missing = [f.key for f in futures if not f.done()]
+            return False, client.run_on_scheduler(_tasks, keys=missing)
         right &= client.gather(futures) == [i * SIZE for i in range(len(pairs))]
         wait_for_channels(client)
-    return bool(right)
+    return bool(right), []
 
 
 def report(client: Client, **extra) -> dict:
@@ -142,8 +150,9 @@ def jobqueue(njobs: int, cancel: bool) -> dict:
         cluster.scale(jobs=njobs)
         client.wait_for_workers(njobs, timeout=120)
         jobs = sorted(squeue())
-        out = report(client, right=move_between_all(client), jobs=jobs)
-        if cancel:
+        right, stuck = move_between_all(client)
+        out = report(client, right=right, stuck=stuck, jobs=jobs)
+        if cancel and not stuck:
             victim = sorted(cluster.workers)[0]
             others = {
                 address
@@ -175,7 +184,8 @@ def main(args: list[str]) -> None:
     else:
         with Client(scheduler_file=args[0], timeout=60) as client:
             client.wait_for_workers(int(args[1]), timeout=120)
-            out = report(client, right=move_between_all(client))
+            right, stuck = move_between_all(client)
+            out = report(client, right=right, stuck=stuck)
             client.shutdown()
     print("REPORT " + json.dumps(out), flush=True)
 

@@ -182,13 +182,20 @@ def test_jobqueue_worker_job_cancelled_while_data_moves(slurm):
     pytest.importorskip("dask_jobqueue")
     start = time.monotonic()
     report = client(slurm, "jobqueue", "3", "scancel", timeout=110)
-    assert not report["errors"], "\n".join(report["errors"]) + slurm.logs()
+    logs = slurm.logs()
+    missing = report["stuck"] + [e for e in report.get("errors", []) if "not done" in e]
+    if missing and (crash := known_mpi_crash(logs)):
+        # Results missing, never wrong: a worker that MPI stopped (see below)
+        # was restarted, and the tasks pinned to it wait for good
+        pytest.xfail(crash)
+    assert not report["stuck"], "\n".join(report["stuck"]) + logs
+    assert report["right"], report  # before scancel
+    assert not report["errors"], "\n".join(report["errors"]) + logs
     # The wrong results first: pytest shortens a long report
     assert (
         report["right_after_scancel"] == report["results"]
-    ), f"wrong: {report['wrong']}\n{report}\n{slurm.logs()}"
+    ), f"wrong: {report['wrong']}\n{report}\n{logs}"
     assert report["after"], report
-    logs = slurm.logs()
     if report["survivors"] < 2 and (crash := known_mpi_crash(logs)):
         # Results are right, yet a survivor is gone: a limit of MPICH's UCX,
         # which gives no error handler (docs/mpi.rst, "When a worker dies").
