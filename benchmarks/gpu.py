@@ -14,7 +14,9 @@ on a machine with a GPU.
   workers and summed on one.
 
 The routes of mpi://: "ipc" (the default between processes of one host: the
-reader copies from the writer's GPU memory), "staged" (``device-ipc`` off;
+reader copies from the writer's GPU memory, and says so on the comm's
+socket), "ipc, channel" (``lend-on-socket`` off: the frames are named, and
+their copy acknowledged, over an MPI channel), "staged" (``device-ipc`` off;
 through pinned host memory), "direct" (``device-ipc`` off, MPI taken as
 CUDA-aware; measured only where ``python -m distributed.comm.mpi_probe`` says
 it is, or with ``--direct``).  Each transport is measured in a process of
@@ -323,7 +325,11 @@ def main() -> None:
         # As dask-cuda does, so that UCX sees the GPU
         ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": str(not args.host_arrays)}
         variants.append(("ucx://", "ucx", ucx))
-    variants += [("tcp://", "tcp", {}), ("mpi:// staged", "mpi", {**NO_IPC})]
+    variants += [("tcp://", "tcp", {})]
+    variants += [
+        ("mpi:// ipc, channel", "mpi", {MPI_SETTING + "LEND_ON_SOCKET": "False"})
+    ]
+    variants += [("mpi:// staged", "mpi", {**NO_IPC})]
     if aware or args.direct:
         variants.append(
             ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})

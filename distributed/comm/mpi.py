@@ -41,7 +41,8 @@ from dask.utils import parse_bytes, parse_timedelta
 from tornado.iostream import IOStream, StreamClosedError
 from tornado.tcpserver import TCPServer
 
-from distributed.comm import mpi_copy, mpi_gpu, mpi_handshake as handshake, mpi_local
+from distributed.comm import mpi_copy, mpi_gpu, mpi_handshake as handshake, mpi_ipc
+from distributed.comm import mpi_local
 from distributed.comm import mpi_policy as policy
 from distributed.comm import mpi_startup
 from distributed.comm.addressing import (
@@ -57,7 +58,7 @@ from distributed.comm.mpi_head import Head
 from distributed.comm.mpi_lending import Lender
 from distributed.comm.mpi_opener import opener
 from distributed.comm.mpi_progress import Stalled
-from distributed.comm.mpi_routes import ORDER, LocalCopy, Message, Route
+from distributed.comm.mpi_routes import ORDER, DeviceIPC, LocalCopy, Message, Route
 from distributed.comm.mpi_startup import config, get_mpi
 from distributed.comm.mpi_stream import SocketStream
 from distributed.comm.mpi_transfers import Transfers
@@ -192,6 +193,7 @@ class MPI(TCP):
         try:
             frames = await self.read_frames()
         except CommClosedError:
+            self._lender.close()
             self._leave_channel()  # closed by the peer, which frees it soon
             raise
         if frames and frames[0] and frames[0][0] == Head.MARK:  # inline: it is hot
@@ -294,20 +296,39 @@ class MPI(TCP):
 
     async def _receive_lent(self, head: Head, frames: list) -> list:
         """Copy the frames of a message that the writer lent on the socket"""
-        writer = self._lender.writer
-        if writer is None or any(code != LocalCopy.code for *_, code, _ in head.frames):
+        lender = self._lender
+        host = [f for f in head.frames if f[2] == LocalCopy.code]
+        device = [f for f in head.frames if f[2] == DeviceIPC.code]
+        if lender.writer is None or len(host) + len(device) != len(head.frames):
             self.abort()
             raise CommClosedError(f"{self}: frames lent that this end cannot copy")
-        copies = [(size, address) for _, size, _, address in head.frames]
+        if device and lender.mappings is None:
+            self.abort()
+            raise CommClosedError(
+                f"{self}: device frames lent, which this end cannot copy"
+            )
         try:
-            copied = await mpi_copy.receive(writer, copies, head.lease)
+            copied = []
+            if device:
+                entries = [(size, word) for _, size, _, word in device]
+                try:
+                    copied += await lender.mappings.copy(entries, head.extra)
+                except OSError as e:
+                    raise CommClosedError(
+                        f"cannot copy device frames from the writer: {mpi_copy.why(e)}"
+                    ) from e
+            # After the device frames' copies, it checks the lease of all
+            copies = [(size, address) for _, size, _, address in host]
+            copied += await mpi_copy.receive(lender.writer, copies, head.lease)
             if self.closed():  # meanwhile, by this end
                 raise CommClosedError(f"{self} closed")
         except BaseException:
             self.abort()  # the stream's position is unknown
             raise
-        self._lender.copied(self.stream, head.tag, sum(f.nbytes for f in copied))
-        for (index, *_), frame in zip(head.frames, copied):  # in index order
+        nbytes = sum(size for _, size, _, _ in head.frames)
+        lender.copied(self.stream, head.tag, nbytes)
+        indices = [index for index, *_ in device + host]
+        for index, frame in sorted(zip(indices, copied), key=lambda x: x[0]):
             frames.insert(index, frame)
         return frames
 
@@ -315,25 +336,12 @@ class MPI(TCP):
         # Every message passes here: each line costs a little on every
         # control message, where mpi:// may cost no more than tcp://
         link = self._link
-        # Between two processes with a GPU, GPU data stays there
-        channel = link and link.gpu and channels.get(link.peer.process)
-        frames = await to_frames(
-            msg,
-            allow_offload=self.allow_offload,
-            serializers=serializers or (channel and mpi_gpu.SERIALIZERS),
-            on_error=on_error,
-            context={
-                "sender": self.local_info,
-                "recipient": self.remote_info,
-                **self.handshake_options,
-            },
-            # Unsplit: over MPI, large frames travel in chunk-size pieces
-            # anyway, and shards would be copied together again on arrival
-            frame_split_size=(
-                self.max_shard_size
-                if link is None or self.handshake_options.get("compression")
-                else 2**62
-            ),
+        lender = self._lender
+        # Between two processes with a GPU, GPU data stays there: lent on the
+        # socket, or through the MPI channel
+        gpu = link and link.gpu and (lender.peer_ipc or channels.get(link.peer.process))
+        frames = await self._to_frames(
+            msg, serializers or (gpu and mpi_gpu.SERIALIZERS), on_error
         )
         if link is None:
             return self.write_frames(frames)
@@ -351,31 +359,69 @@ class MPI(TCP):
         large = _large_frames(frames, link)
         if not large:
             return self.write_frames(frames)
-        if self._lender.peer_copies and not any(
-            mpi_gpu.is_device(frames[i]) for i in large
-        ):
-            return self._write_lent(frames, large)
-        channel = channel or channels.get(link.peer.process)
+        if lender.peer_copies:
+            nbytes = self._write_lent(frames, large)
+            if nbytes is not None:
+                return nbytes
+        channel = channels.get(link.peer.process)
         if channel is None:
             if link.dial:
                 opener.open_soon(link.dial, link.peer)
-                return self.write_frames(frames)
-            return self.write_frames([_WANT_CHANNEL_HEAD, *frames])
+            if any(mpi_gpu.is_device(frames[i]) for i in large):
+                # Device frames that could not be lent: as host frames
+                host = [s for s in serializers or mpi_gpu.SERIALIZERS if s != "cuda"]
+                frames = await self._to_frames(msg, host, on_error)
+            want = [] if link.dial else [_WANT_CHANNEL_HEAD]
+            return self.write_frames([*want, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
         return await self._write_routed(channel, frames, large)
 
-    def _write_lent(self, frames: list, large: list) -> int:
+    async def _to_frames(self, msg, serializers, on_error: str) -> list:
+        return await to_frames(
+            msg,
+            allow_offload=self.allow_offload,
+            serializers=serializers,
+            on_error=on_error,
+            context={
+                "sender": self.local_info,
+                "recipient": self.remote_info,
+                **self.handshake_options,
+            },
+            # Unsplit: over MPI, large frames travel in chunk-size pieces
+            # anyway, and shards would be copied together again on arrival
+            frame_split_size=(
+                self.max_shard_size
+                if self._link is None or self.handshake_options.get("compression")
+                else 2**62
+            ),
+        )
+
+    def _write_lent(self, frames: list, large: list) -> int | None:
         """Write a message whose ``large`` frames the peer copies from this
-        process's memory, which keeps them until the peer says it has them"""
-        lent = [ensure_memoryview(frames[i]) for i in large]
-        tag, lease = self._lender.lend(lent)
-        entries = [
-            (i, frame.nbytes, LocalCopy.code, mpi_copy.address(frame))
-            for i, frame in zip(large, lent)
-        ]
-        head = Head(False, Head.LENT, tag, entries, lease.head).pack()
-        inline = _inline(frames, large)
-        return self.write_frames([head, *inline]) + sum(f.nbytes for f in lent)
+        process's memory, which keeps them until the peer says it has them;
+        None, having written nothing, if the peer cannot copy a device frame
+        of them"""
+        lent, entries, extra, nbytes = [], [], bytearray(), 0
+        for i in large:
+            frame = frames[i]
+            if mpi_gpu.is_device(frame):
+                record = self._lender.peer_ipc and mpi_ipc.export(frame)
+                if not record:  # from a stream-ordered pool, say
+                    return None
+                entries.append((i, mpi_gpu.nbytes(frame), DeviceIPC.code, len(extra)))
+                extra += record
+            else:
+                frame = ensure_memoryview(frame)
+                entries.append(
+                    (i, frame.nbytes, LocalCopy.code, mpi_copy.address(frame))
+                )
+            nbytes += entries[-1][1]
+            lent.append(frame)
+        if extra:
+            mpi_gpu.synchronize([f for f in lent if mpi_gpu.is_device(f)])
+        tag, lease = self._lender.lend(lent, nbytes)
+        head = Head(False, Head.LENT, tag, entries, lease.head, bytes(extra)).pack()
+        return self.write_frames([head, *_inline(frames, large)]) + nbytes
 
     async def _write_routed(self, channel: Channel, frames: list, large: list):
         """Write a message whose ``large`` frames take the channel's routes"""
@@ -447,14 +493,14 @@ class MPI(TCP):
         # The peer copies what it read before the socket closes
         if self.stream is not None:
             await self._lender.returned(self.stream, LEND_AFTER_CLOSE)
-        self._lender.drop()
+        self._lender.close()
         await super().close()
         self._leave_channel()
 
     def abort(self) -> None:
         """Close now, dropping messages in flight"""
         self._transfers.drop(cancel=True)
-        self._lender.drop()
+        self._lender.close()
         super().abort()
         self._leave_channel()
 

@@ -25,11 +25,12 @@ class Head(NamedTuple):
     lease: tuple[int, int] = (0, 0)  # of the copied frames: mpi_copy.Lease.head
     extra: bytes = b""  # what routes say beyond a word (IPC handles)
     # A note between two ends that lend frames on their socket (mpi_lending),
-    # alone in its message: COPIES, or COPIED with the message's tag
+    # alone in its message: COPIES (with IPC: device frames too), or COPIED
+    # with the message's tag
     note: int = 0
 
     MARK = 0xC1  # "never used" in msgpack
-    COPIES, COPIED = 2, 4  # notes, as flags beside want_channel's 1
+    COPIES, COPIED, IPC = 2, 4, 8  # notes, as flags beside want_channel's 1
     LENT = 2**64 - 1  # the channel of frames lent on the socket: none
     # MARK, flags, len(frames), channel, tag, lease, len(extra)
     _FIXED = struct.Struct("<BBxxIQIQQI")
@@ -59,5 +60,5 @@ class Head(NamedTuple):
         if len(data) != start + extra:
             raise struct.error("a head of another length than it says")
         extra = bytes(data[start:])
-        note = flags & (cls.COPIES | cls.COPIED)
+        note = flags & (cls.COPIES | cls.COPIED | cls.IPC)
         return cls(bool(flags & 1), channel, tag, frames, tuple(lease), extra, note)

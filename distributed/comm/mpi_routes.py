@@ -11,7 +11,7 @@ writer picks and names in the head, so that the reader takes it too:
 - :class:`LocalCopy`: host memory that the reader copies straight from the
   writer's memory, between processes of one host (``mpi_copy``);
 - :class:`DeviceIPC`: device memory that the reader copies from the writer's
-  GPU memory, mapped by CUDA IPC, between processes of one host;
+  GPU memory, mapped by CUDA IPC, between processes of one host (``mpi_ipc``);
 - :class:`Direct`: device memory, handed to a CUDA-aware MPI as it is;
 - :class:`Staged`: device memory, through pinned host memory (``mpi_gpu``).
 
@@ -26,11 +26,9 @@ slots free up), whose sends follow the head.
 from __future__ import annotations
 
 import asyncio
-import collections
-import struct
 from typing import ClassVar
 
-from distributed.comm import mpi_copy, mpi_gpu
+from distributed.comm import mpi_copy, mpi_gpu, mpi_ipc
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_buffers import host_buffer
 
@@ -140,29 +138,20 @@ class LocalCopy(Route):
 
 class DeviceIPC(Route):
     """Device memory that the reader copies from the writer's allocation,
-    which it maps by the allocation's IPC handle (``mpi_gpu.Mapping``); the
-    writer keeps the frames until the reader says it has them.  Opening a
-    mapping costs far more than a copy: the reader keeps its mappings of the
-    writer's allocations, the last :data:`MAPPINGS`, until the channel is
-    freed, and closes one whose address the writer reallocated (a new handle
-    for an address still mapped fails: "already mapped")."""
+    which it maps by the allocation's IPC handle (``mpi_ipc``); the writer
+    keeps the frames until the reader says it has them"""
 
     code = 5
-    MAPPINGS = 64
-    # Before each handle in a head's extra bytes: its length, the address of
-    # the writer's allocation, and the frame's offset in it
-    _RECORD = struct.Struct("<HQQ")
 
     def __init__(self, channel):
         super().__init__(channel)
-        # By the writer's address: its allocation's handle, and the mapping
-        self._mappings: collections.OrderedDict = collections.OrderedDict()
-        self._exports: dict[int, tuple] = {}  # picked frames, until described
+        self._exports: dict[int, bytes] = {}  # picked frames, until described
+        self._mappings: mpi_ipc.Mappings | None = None  # of the writer's
 
     def takes(self, frame) -> bool:
         if not (self.channel.peer_ipc and mpi_gpu.is_device(frame)):
             return False
-        exported = mpi_gpu.device().export(frame)
+        exported = mpi_ipc.export(frame)
         if exported is None:  # from a stream-ordered pool, say
             return False
         self._exports[id(frame)] = exported
@@ -176,9 +165,8 @@ class DeviceIPC(Route):
     def describe(self, frames, msg):
         words = []
         for frame in frames:  # one buffer may be several of a message's frames
-            handle, base, offset = self._exports[id(frame)]
             words.append(len(msg.extra))
-            msg.extra += self._RECORD.pack(len(handle), base, offset) + handle
+            msg.extra += self._exports[id(frame)]
         self._exports.clear()
         return words
 
@@ -189,45 +177,22 @@ class DeviceIPC(Route):
         transfers.track(mpi_copy.lend(transfers.engine, self.channel, msg.tag, lease))
 
     async def receive(self, frames, msg):
-        device = mpi_gpu.device()
-        received = [device.buffer(size) for size, _ in frames]
-        mpi_gpu.synchronize()  # the allocations, before anything writes
-        stream = mpi_gpu.copy_stream(device)
+        if self._mappings is None:
+            channel = self.channel
+            self._mappings = mpi_ipc.Mappings.of(channel.peer, channel.sender)
         try:
-            copies = []
-            for frame, (size, word) in zip(received, frames):
-                n, base, offset = self._RECORD.unpack_from(msg.extra, word)
-                start = word + self._RECORD.size
-                mapping = self._map(bytes(msg.extra[start : start + n]), base)
-                if size:
-                    dst = mpi_gpu.pointer(frame)
-                    copies.append(mapping.copy_to(dst, offset, size, stream))
-            await mpi_gpu.wait(copies)
+            received = await self._mappings.copy(frames, msg.extra)
         except OSError as e:
-            self.close()  # the writer died: its allocations are gone
             raise CommClosedError(
                 f"cannot copy device frames from the writer: {mpi_copy.why(e)}"
             ) from e
         mpi_copy.acknowledge(msg.transfers.engine, self.channel, msg.tag)
         return received, []
 
-    def _map(self, handle: bytes, base: int):
-        cached = self._mappings.get(base)
-        if cached is not None and cached[0] == handle:
-            self._mappings.move_to_end(base)
-            return cached[1]
-        if cached is not None:  # freed by the writer, and reallocated
-            self._mappings.pop(base)[1].close()
-        elif len(self._mappings) >= self.MAPPINGS:
-            self._mappings.popitem(last=False)[1][1].close()
-        mapping = mpi_gpu.device().open(handle, self.channel.sender)
-        self._mappings[base] = handle, mapping
-        return mapping
-
     def close(self):
-        while self._mappings:
-            _, (_, mapping) = self._mappings.popitem()
-            mapping.close()
+        if self._mappings is not None:
+            self._mappings.release()
+            self._mappings = None
 
 
 class Direct(OverMPI):

@@ -5,7 +5,8 @@ pinned slots, direct to MPI (``cuda-aware: true``, which holds for host
 memory with any MPI), or copied by the reader from the writer's memory as
 CUDA IPC would (``device-ipc``: the host device maps the writer's buffers,
 copies with ``process_vm_readv``, as late as a GPU might, and overwrites a
-buffer it frees).  Chunks are small, so that small frames take several
+buffer it frees), over an MPI channel or lent on the comm's socket
+(``lend-on-socket``).  Chunks are small, so that small frames take several
 chunks and reuse the slots, yet larger than MPICH sends eagerly (copied at
 once): a slot reused before its send completed shows (at 4 KiB, only under
 load)."""
@@ -42,7 +43,9 @@ PEER = ["-n", "1", "-m", "distributed.comm.tests.mpi_peer"]
 class Peer(NamedTuple):
     address: str
     job: Job
-    route: str  # how device frames travel between the two: staged, direct, ipc
+    # How device frames travel between the two: staged, direct, ipc (over a
+    # channel), lent (by IPC, on the socket)
+    route: str
     gpu_path: str
     config: dict  # for this process (gen_test resets dask's config)
 
@@ -57,9 +60,9 @@ def serving(route: str, monkeypatch, tmp_path):
         # Whatever the defaults, larger frames take the channel's routes
         "inline-size": 1024,
         "local-inline-size": 1024,
-        "lend-on-socket": False,
+        "lend-on-socket": route == "lent",
         "cuda-aware": route == "direct",
-        "device-ipc": route == "ipc",
+        "device-ipc": route in ("ipc", "lent"),
     }
     for key, value in config.items():
         name = "DASK_DISTRIBUTED__COMM__MPI__" + key.upper().replace("-", "_")
@@ -75,15 +78,21 @@ def serving(route: str, monkeypatch, tmp_path):
         )
 
 
-@pytest.fixture(params=["staged", "direct", "ipc"])
+@pytest.fixture(params=["staged", "direct", "ipc", "lent"])
 def peer(request, monkeypatch, tmp_path):
     with serving(request.param, monkeypatch, tmp_path) as peer:
         yield peer
 
 
-@pytest.fixture
-def ipc_peer(monkeypatch, tmp_path):
-    with serving("ipc", monkeypatch, tmp_path) as peer:
+@pytest.fixture(params=["staged", "direct", "ipc"])
+def channel_peer(request, monkeypatch, tmp_path):
+    with serving(request.param, monkeypatch, tmp_path) as peer:
+        yield peer
+
+
+@pytest.fixture(params=["ipc", "lent"])
+def ipc_peer(request, monkeypatch, tmp_path):
+    with serving(request.param, monkeypatch, tmp_path) as peer:
         yield peer
 
 
@@ -111,8 +120,13 @@ def check(reply: dict, x: list, make: list) -> None:
 
 async def connect_over_mpi(address: str):
     """A comm whose large frames travel over MPI: a channel opens the first
-    time a frame needs one, and until then frames travel over TCP"""
+    time a frame needs one, and until then frames travel over TCP.  Between
+    two ends that lend device frames on the socket, a comm once the peer
+    said so: no channel opens"""
     comm = await connect(address)
+    if dask.config.get("distributed.comm.mpi.lend-on-socket"):
+        await async_poll_for(lambda: comm._lender.peer_ipc, timeout=5)
+        return comm
     for _ in range(100):
         await comm.write({"op": "echo", "x": to_serialize(np.zeros(CHUNK))})
         await comm.read()  # over MPI too, if the channel is open at both ends
@@ -249,17 +263,17 @@ async def test_comm_closed_mid_frame_by_the_reader(peer):
 
 @gen_test(timeout=60)
 async def test_peer_leaves_the_channel_once_it_reads_that_the_comm_closed(
-    peer, monkeypatch
+    channel_peer, monkeypatch
 ):
     """This end frees the channel ``FREE_AFTER`` after its last comm closed;
     the peer must not name it in a message of a later comm"""
     monkeypatch.setattr(mpi_channel, "FREE_AFTER", 0.5)
-    with dask.config.set(peer.config):
-        comm = await connect_over_mpi(peer.address)
+    with dask.config.set(channel_peer.config):
+        comm = await connect_over_mpi(channel_peer.address)
         channel = comm.channel
         await comm.close()
         await async_poll_for(lambda: channels.by_id(channel.id) is None, timeout=5)
-        await assert_serves(peer.address)
+        await assert_serves(channel_peer.address)
 
 
 @gen_test(timeout=60)
@@ -303,7 +317,7 @@ async def test_peer_killed_mid_frame(peer):
         assert comm.closed()
 
 
-def test_no_ucx_error_at_exit_after_the_peer_died_mid_frame(peer, tmp_path):
+def test_no_ucx_error_at_exit_after_the_peer_died_mid_frame(channel_peer, tmp_path):
     """A process whose frames its peer on this host only copied, and which
     asked it for a device frame over MPI, outlives the peer, killed while
     sending it: it exits with 0, without a word from UCX.  UCX wires up what
@@ -311,11 +325,11 @@ def test_no_ucx_error_at_exit_after_the_peer_died_mid_frame(peer, tmp_path):
     here in the exit drain, after the peer died, which logged errors"""
     path = str(tmp_path / "asked")
     with mpiexec(
-        [*PEER, "ask-device", peer.address, path, str(LARGE)], **OUTPUT
+        [*PEER, "ask-device", channel_peer.address, path, str(LARGE)], **OUTPUT
     ) as job:
         wait_for_file(path, job)
         time.sleep(0.5)  # the peer posts its sends
-        peer.job.crash()
+        channel_peer.job.crash()
         open(path + ".exit", "w").close()
         out, _ = job.communicate(timeout=60)
     assert job.returncode == 0, out
@@ -364,6 +378,38 @@ async def test_ipc_maps_an_allocation_once(ipc_peer):
         assert after["opened"] == before["opened"] + 1, (before, after)
         assert after["mapped"] == before["mapped"] + 1, (before, after)
         await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_ipc_maps_an_allocation_once_whatever_the_comms(ipc_peer):
+    """Two comms between the same two processes share the reader's mappings:
+    a second mapping of one allocation would fail (CUDA: "already mapped")"""
+    with dask.config.set(ipc_peer.config), no_staging():
+        comms = [await connect_over_mpi(ipc_peer.address) for _ in range(2)]
+        before = await mappings(ipc_peer.address)
+        x = OnDevice.random(3 * CHUNK + 5, 1)
+        for comm in comms * 2:
+            await exchange(comm, [x], [])
+        after = await mappings(ipc_peer.address)
+        assert after["opened"] == before["opened"] + 1, (before, after)
+        await asyncio.gather(*(comm.close() for comm in comms))
+
+
+@gen_test(timeout=60)
+async def test_device_frames_lent_on_the_socket_open_no_channel(monkeypatch, tmp_path):
+    """Lent, device frames need no MPI channel; this end's mappings of the
+    peer's frames close with the last comm to it"""
+    with serving("lent", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config), no_staging():
+            comm = await connect_over_mpi(peer.address)
+            x = [OnDevice.random(3 * CHUNK, 1), np.arange(5000)]
+            await exchange(comm, x, [(CHUNK + 1, 2), (2 * CHUNK, 3)])
+            assert mapped_of(comm)
+            assert comm.channel is None and channels.get(comm.peer.process) is None
+            await comm.write({"op": "channel"})
+            assert (await comm.read())["channel"] is None
+            await comm.close()
+            assert not mapped_of(comm)
 
 
 @gen_test(timeout=90)

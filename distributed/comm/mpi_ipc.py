@@ -1,0 +1,117 @@
+"""Device frames that a reader copies from a writer's GPU memory (CUDA IPC),
+between processes of one host.
+
+The writer exports the IPC handle of the allocation that holds each frame
+(CuPy's and RMM's pools hand out pieces of larger allocations: the handle is
+the allocation's, with the frame's offset in it), and keeps the frame until
+the reader says it has it; the reader maps the allocation and copies device
+to device.  The frames come over an MPI channel (``mpi_routes.DeviceIPC``)
+or lent on the comm's socket (``mpi_lending``), and both read through one
+:class:`Mappings` per writer: opening a mapping costs far more than a copy,
+and a process may map an allocation of another only once (CUDA: "already
+mapped").
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+
+from distributed.comm import mpi_gpu
+
+# Before each handle in a head's extra bytes: its length, the address of the
+# writer's allocation, and the frame's offset in it
+_RECORD = struct.Struct("<HQQ")
+
+
+def export(frame) -> bytes | None:
+    """What a head's extra bytes say of a device frame for its reader to
+    copy it; None if its memory cannot be exported (a stream-ordered pool's)"""
+    exported = mpi_gpu.device().export(frame)
+    if exported is None:
+        return None
+    handle, base, offset = exported
+    return _RECORD.pack(len(handle), base, offset) + handle
+
+
+class Mappings:
+    """This process's mappings of one writer's allocations, the last
+    :data:`MAPPINGS`, kept while anything reads from that writer; one whose
+    address the writer freed and reallocated is mapped afresh"""
+
+    MAPPINGS = 64
+    _of: dict[str, Mappings] = {}  # by the writer's process id
+
+    def __init__(self, process: str, writer):
+        self._process = process
+        self._writer = writer  # a LocalPeer
+        self._users = 0
+        self._copying = 0
+        # By the writer's address: its allocation's handle, and the mapping
+        self._mapped: collections.OrderedDict = collections.OrderedDict()
+
+    @classmethod
+    def of(cls, process: str, writer) -> Mappings:
+        """The mappings of the writer ``process`` (a ``LocalPeer``), for a
+        user that calls :meth:`release` once done with them"""
+        mappings = cls._of.get(process)
+        if mappings is None:
+            mappings = cls._of[process] = cls(process, writer)
+        mappings._users += 1
+        return mappings
+
+    def release(self) -> None:
+        """A user is done: the last one closes the mappings"""
+        self._users -= 1
+        if self._users == 0:
+            if self._of.get(self._process) is self:
+                del self._of[self._process]
+            if not self._copying:
+                self.forget()
+
+    async def copy(self, frames: list[tuple[int, int]], extra) -> list:
+        """The device frames of these (size, word) entries of a head, copied
+        into buffers of this process's device; OSError if the writer's
+        memory is gone (the mappings are then closed)"""
+        device = mpi_gpu.device()
+        received = [device.buffer(size) for size, _ in frames]
+        mpi_gpu.synchronize()  # the allocations, before anything writes
+        stream = mpi_gpu.copy_stream(device)
+        self._copying += 1
+        try:
+            copies = []
+            for frame, (size, word) in zip(received, frames):
+                n, base, offset = _RECORD.unpack_from(extra, word)
+                start = word + _RECORD.size
+                mapping = self._map(bytes(extra[start : start + n]), base)
+                if size:
+                    dst = mpi_gpu.pointer(frame)
+                    copies.append(mapping.copy_to(dst, offset, size, stream))
+            await mpi_gpu.wait(copies)
+        except OSError:
+            self.forget()  # the writer died: its allocations are gone
+            raise
+        finally:
+            self._copying -= 1
+            if not self._users and not self._copying:
+                self.forget()  # released meanwhile
+        return received
+
+    def _map(self, handle: bytes, base: int):
+        cached = self._mapped.get(base)
+        if cached is not None and cached[0] == handle:
+            self._mapped.move_to_end(base)
+            return cached[1]
+        if cached is not None:  # freed by the writer, and reallocated
+            self._mapped.pop(base)[1].close()
+        elif len(self._mapped) >= self.MAPPINGS:
+            self._mapped.popitem(last=False)[1][1].close()
+        mapping = mpi_gpu.device().open(handle, self._writer)
+        self._mapped[base] = handle, mapping
+        return mapping
+
+    def forget(self) -> None:
+        """Close every mapping"""
+        while self._mapped:
+            _, (_, mapping) = self._mapped.popitem()
+            mapping.close()
