@@ -368,9 +368,13 @@ class MPI(TCP):
             if link.dial:
                 opener.open_soon(link.dial, link.peer)
             if any(mpi_gpu.is_device(frames[i]) for i in large):
-                # Device frames that could not be lent: as host frames
+                # Device frames that could not be lent, and no channel for
+                # them: as host frames, this time
                 host = [s for s in serializers or mpi_gpu.SERIALIZERS if s != "cuda"]
                 frames = await self._to_frames(msg, host, on_error)
+                large = _large_frames(frames, link)
+                if large and lender.peer_copies:
+                    return self._write_lent(frames, large)
             want = [] if link.dial else [_WANT_CHANNEL_HEAD]
             return self.write_frames([*want, *frames])
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]

@@ -87,7 +87,7 @@ from distributed.comm import (
 )
 from distributed.comm.mpi_liveness import LocalPeer, beacon
 from distributed.comm.mpi_progress import ProgressEngine
-from distributed.protocol import to_serialize
+from distributed.protocol import dask_deserialize, dask_serialize, to_serialize
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 
 
@@ -110,6 +110,25 @@ class OnDevice:
 
 cuda_serialize.register(OnDevice)(lambda x: ({}, [x.frame]))
 cuda_deserialize.register(OnDevice)(lambda header, frames: OnDevice(frames[0]))
+
+
+class OnDeviceOrHost(OnDevice):
+    """A device frame that travels as host bytes too, where it must (as CuPy
+    arrays do, without the "cuda" serializers)"""
+
+    @classmethod
+    def from_host(cls, data) -> OnDeviceOrHost:
+        frame = mpi_gpu.device_buffer(len(data))
+        frame.array[:] = np.frombuffer(data, "u1")
+        return cls(frame)
+
+
+cuda_serialize.register(OnDeviceOrHost)(lambda x: ({}, [x.frame]))
+cuda_deserialize.register(OnDeviceOrHost)(lambda h, frames: OnDeviceOrHost(frames[0]))
+dask_serialize.register(OnDeviceOrHost)(lambda x: ({}, [x.frame.array.data]))
+dask_deserialize.register(OnDeviceOrHost)(
+    lambda h, frames: OnDeviceOrHost.from_host(frames[0])
+)
 
 
 _kept: list = []

@@ -29,7 +29,7 @@ import dask
 from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu
 from distributed.comm.mpi_channel import channels
 from distributed.comm.mpi_progress import ProgressEngine
-from distributed.comm.tests.mpi_peer import OnDevice
+from distributed.comm.tests.mpi_peer import OnDevice, OnDeviceOrHost
 from distributed.comm.tests.mpi_processes import OUTPUT, Job, mpiexec, wait_for_file
 from distributed.protocol import to_serialize
 from distributed.utils_test import async_poll_for, gen_test
@@ -410,6 +410,34 @@ async def test_device_frames_lent_on_the_socket_open_no_channel(monkeypatch, tmp
             assert (await comm.read())["channel"] is None
             await comm.close()
             assert not mapped_of(comm)
+
+
+@gen_test(timeout=60)
+async def test_device_frames_that_cannot_be_exported_are_not_lent(
+    monkeypatch, tmp_path
+):
+    """Memory that has no IPC handle (a stream-ordered pool's): as host
+    frames while no channel is open, then staged over the channel"""
+    with serving("lent", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config):
+            comm = await connect_over_mpi(peer.address)
+            device = mpi_gpu.device()
+            monkeypatch.setattr(device, "export", lambda frame: None)
+            staged = []  # copies through pinned slots
+            stage = device.copy
+            monkeypatch.setattr(
+                device, "copy", lambda *a: staged.append(a) or stage(*a)
+            )
+            x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
+            for _ in range(100):
+                await exchange(comm, [x], [(CHUNK + 1, 2)])
+                if comm.channel is not None:  # this message took it
+                    break
+                assert not staged  # as host frames
+                await asyncio.sleep(0.05)
+            assert comm.channel is not None
+            assert staged
+            await comm.close()
 
 
 @gen_test(timeout=90)
