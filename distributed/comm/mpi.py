@@ -240,6 +240,7 @@ class MPI(TCP):
         try:
             return stream.write_message(frames)
         except StreamClosedError as e:
+            self._lender.close()  # the reader is gone
             super().abort()  # the stream is closed: this marks the comm closed
             convert_stream_closed_error(self, e)
         except BaseException:
