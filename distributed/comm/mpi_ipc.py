@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import struct
+import threading
 
 from distributed.comm import mpi_gpu
 
@@ -41,6 +42,7 @@ class Mappings:
 
     MAPPINGS = 64
     _of: dict[str, Mappings] = {}  # by the writer's process id
+    _lock = threading.Lock()  # comms of several event loops may share them
 
     def __init__(self, process: str, writer):
         self._process = process
@@ -52,22 +54,24 @@ class Mappings:
 
     @classmethod
     def of(cls, process: str, writer) -> Mappings:
-        """The mappings of the writer ``process`` (a ``LocalPeer``), for a
-        user that calls :meth:`release` once done with them"""
-        mappings = cls._of.get(process)
-        if mappings is None:
-            mappings = cls._of[process] = cls(process, writer)
-        mappings._users += 1
+        """The mappings of the process ``process`` (``writer``: its
+        ``LocalPeer``), for a user that calls :meth:`release` once done"""
+        with cls._lock:
+            mappings = cls._of.get(process)
+            if mappings is None:
+                mappings = cls._of[process] = cls(process, writer)
+            mappings._users += 1
         return mappings
 
     def release(self) -> None:
         """A user is done: the last one closes the mappings"""
-        self._users -= 1
-        if self._users == 0:
-            if self._of.get(self._process) is self:
-                del self._of[self._process]
-            if not self._copying:
-                self.forget()
+        with self._lock:
+            self._users -= 1
+            if self._users or self._of.get(self._process) is not self:
+                return
+            del self._of[self._process]
+        if not self._copying:
+            self.forget()
 
     async def copy(self, frames: list[tuple[int, int]], extra) -> list:
         """The device frames of these (size, word) entries of a head, copied
