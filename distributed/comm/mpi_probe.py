@@ -1,15 +1,20 @@
 """What mpi:// will do on this node: ``python -m distributed.comm.mpi_probe``.
 
 Prints the MPI library, the GPUs, CuPy, RMM and Numba this process sees,
-whether MPI is CUDA-aware and how that was decided, and how GPU frames will
-travel (see ``distributed.comm.mpi_gpu``).
+whether MPI is CUDA-aware and how that was decided, how GPU frames will
+travel (see ``distributed.comm.mpi_gpu``), and whether processes of this
+host may copy large frames from each other's memory (``mpi_copy``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from distributed.comm import mpi_gpu, mpi_startup
+from distributed.comm.mpi_liveness import LocalPeer, beacon
+
+YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def _version(module: str) -> str:
@@ -37,6 +42,33 @@ def _devices() -> str:
         return f"none: {e}"
 
 
+def _copies() -> str:
+    """Whether a process may read the memory of a sibling on this host, as
+    ``mpi_policy.copies_from`` finds out of a peer"""
+    through_mpi = "large host frames between processes of this host go through MPI"
+    if not mpi_startup.config("local-copy"):
+        return f"no (local-copy: false): {through_mpi}"
+    if not LocalPeer(os.getpid(), beacon()).readable():
+        return f"no, process_vm_readv fails here (seccomp?): {through_mpi}"
+    try:
+        with open(YAMA) as f:
+            scope = int(f.read())
+    except (OSError, ValueError):
+        scope = 0  # no Yama
+    if scope:
+        return (
+            f"no between processes that are not parent and child (Yama's "
+            f"ptrace_scope is {scope}): {through_mpi}, and GPU frames copied "
+            "by CUDA IPC are acknowledged over MPI (sysctl "
+            "kernel.yama.ptrace_scope=0 lets them copy)"
+        )
+    return (
+        "yes, where both run as one user: a reader copies large frames from "
+        "the writer's memory (GPU frames by CUDA IPC) and says so on the "
+        "comm's socket"
+    )
+
+
 def main() -> None:
     """Print what mpi:// will do with GPU data in this process"""
     MPI = mpi_startup.start_mpi().result()
@@ -52,6 +84,8 @@ def main() -> None:
     else:
         frames = f"staged through pinned host memory, in {chunk} chunks"
     if mpi_gpu.has_gpu():
+        if mpi_startup.config("device-ipc"):
+            frames = f"on this host, copied by CUDA IPC; to other hosts, {frames}"
         frames += "; as host frames to peers without a GPU"
     rows = [
         ("CUDA devices", _devices()),
@@ -61,9 +95,10 @@ def main() -> None:
         ("MPI library", f"{mpi_startup.library()} ({MPI.__file__})"),
         ("CUDA-aware MPI", f"{'yes' if aware else 'no'}: {why}"),
         ("GPU frames", frames),
+        ("Copies on this host", _copies()),
     ]
     for name, value in rows:
-        print(f"{name + ':':16} {value}")
+        print(f"{name + ':':20} {value}")
 
 
 if __name__ == "__main__":

@@ -75,15 +75,20 @@ def test_both_ends_work_out_one_path(mine, theirs, path):
     assert mpi_gpu.path(mine, theirs) == mpi_gpu.path(theirs, mine) == path
 
 
-def test_probe_says_what_mpi_will_do():
+def probe(**env) -> dict[str, str]:
     out = subprocess.run(
         [sys.executable, "-m", "distributed.comm.mpi_probe"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
+        env={**os.environ, **env},
     ).stdout
-    rows = dict(line.split(":", 1) for line in out.splitlines())
+    return dict(line.split(":", 1) for line in out.splitlines())
+
+
+def test_probe_says_what_mpi_will_do():
+    rows = probe()
     assert set(rows) == {
         "CUDA devices",
         "CuPy",
@@ -92,8 +97,12 @@ def test_probe_says_what_mpi_will_do():
         "MPI library",
         "CUDA-aware MPI",
         "GPU frames",
+        "Copies on this host",
     }
     assert rows["MPI library"].strip().startswith(mpi_startup.library())
+    assert rows["Copies on this host"].strip().startswith(("yes", "no"))
+    rows = probe(DASK_DISTRIBUTED__COMM__MPI__LOCAL_COPY="False")
+    assert rows["Copies on this host"].strip().startswith("no (local-copy: false)")
     if not mpi_gpu.has_gpu():
         assert "as host frames" in rows["GPU frames"]
 
