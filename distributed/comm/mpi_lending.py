@@ -63,6 +63,8 @@ class Lender:
             if policy.ipc_from(peer):
                 self.mappings = Mappings.of(peer.process, self.writer)
                 note |= Head.IPC
+                # However the comm ends, even dropped unclosed
+                stream.when_closed().add_done_callback(lambda _: self.close())
             stream.write_message([Head(False, 0, 0, [], note=note).pack()])
 
     @property

@@ -413,6 +413,21 @@ async def test_device_frames_lent_on_the_socket_open_no_channel(monkeypatch, tmp
 
 
 @gen_test(timeout=60)
+async def test_lent_mappings_close_when_the_peer_dies_unread(monkeypatch, tmp_path):
+    """The peer dies while nothing reads its comm (one idle in a pool): the
+    mappings of its frames close with the socket, not at the next read"""
+    with serving("lent", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config), no_staging():
+            comm = await connect_over_mpi(peer.address)
+            await exchange(comm, [], [(3 * CHUNK, 1)])
+            assert mapped_of(comm)
+            peer.job.crash()
+            await async_poll_for(lambda: not mapped_of(comm), timeout=20)
+            assert comm.closed()
+            comm.abort()
+
+
+@gen_test(timeout=60)
 async def test_device_frames_that_cannot_be_exported_are_not_lent(
     monkeypatch, tmp_path
 ):
