@@ -28,8 +28,8 @@ from tornado.iostream import StreamClosedError
 
 from distributed.comm import mpi_policy as policy
 from distributed.comm.mpi_copy import Lease
-from distributed.comm.mpi_ipc import Mappings
 from distributed.comm.mpi_head import Head
+from distributed.comm.mpi_ipc import Mappings
 from distributed.comm.mpi_liveness import LocalPeer
 from distributed.comm.mpi_startup import config
 from distributed.comm.mpi_stream import SocketStream
