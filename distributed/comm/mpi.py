@@ -24,8 +24,9 @@ delivering to a receive for ``stall-timeout`` (UCX's shared-memory queue of a
 process can stay blocked for good when a process writing to it is killed), the
 comm closes with an error, and the two processes use TCP from then on.
 
-Between two processes with a GPU, frames of GPU data stay on the GPU and
-always travel over MPI: see ``distributed.comm.mpi_gpu``.
+Between two processes with a GPU, frames of GPU data stay on the GPU: lent
+on the socket by CUDA IPC between processes of one host (``mpi_ipc``), else
+over MPI (see ``distributed.comm.mpi_gpu``).
 """
 
 from __future__ import annotations
