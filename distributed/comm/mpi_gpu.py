@@ -16,7 +16,8 @@ device frame one of two ways:
 
 Between two processes of one host, a device frame that the writer can export
 (CUDA IPC) takes neither: the reader maps the writer's allocation and copies
-device to device (``mpi_routes.DeviceIPC``); see :class:`Mapping`.
+device to device (``mpi_ipc``: lent on the comm's socket, or named over the
+MPI channel by ``mpi_routes.DeviceIPC``); see :class:`Mapping`.
 
 A process without a GPU (or without CuPy) says so in the handshake and is sent
 host frames: what ``tcp://`` would send it.
