@@ -57,7 +57,7 @@ def serving(route: str, monkeypatch, tmp_path):
     config = {
         "device-backend": "host",
         "chunk-size": CHUNK,
-        # Whatever the defaults, larger frames take the channel's routes
+        # Whatever the defaults, larger frames do not travel on the socket
         "inline-size": 1024,
         "local-inline-size": 1024,
         "lend-on-socket": route == "lent",
