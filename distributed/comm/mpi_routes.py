@@ -172,9 +172,13 @@ class DeviceIPC(Route):
 
     async def send(self, frames, msg):
         mpi_gpu.synchronize(frames)  # their producers are done
-        lease = mpi_copy.Lease(frames)
-        transfers = msg.transfers
-        transfers.track(mpi_copy.lend(transfers.engine, self.channel, msg.tag, lease))
+        # The reader checks no lease on this route (where it lends on the
+        # socket instead, it does): the frames stay until it has them,
+        # whatever becomes of the comm
+        lent = mpi_copy.lend(
+            msg.transfers.engine, self.channel, msg.tag, mpi_copy.Lease(frames)
+        )
+        msg.transfers.track(lent, keep=True)
 
     async def receive(self, frames, msg):
         if self._mappings is None:

@@ -38,6 +38,7 @@ class Transfers:
         self.posting = asyncio.Lock()  # held while a message's sends are posted
         self._receives: set[asyncio.Future] = set()  # of the read in progress
         self._sends: set[asyncio.Future] = set()  # of writes not complete
+        self._kept: set[asyncio.Future] = set()  # of those, kept past an abort
 
     def poster(
         self, channel: Channel, tag: int, receive: bool
@@ -79,14 +80,20 @@ class Transfers:
 
         return post
 
-    def track(self, fut: asyncio.Future) -> None:
-        """Abort the comm should a send, or a lease, fail"""
+    def track(self, fut: asyncio.Future, keep: bool = False) -> None:
+        """Abort the comm should a send, or a lease, fail.  ``keep``: a
+        lease of frames that the reader copies without checking it (device
+        frames by IPC), kept, should the comm abort, until the reader says it
+        has them, dies, or the connect timeout passes"""
         if not fut.done():
             self._sends.add(fut)
+            if keep:
+                self._kept.add(fut)
             fut.add_done_callback(self._sent)
 
     def _sent(self, fut: asyncio.Future) -> None:
         self._sends.discard(fut)
+        self._kept.discard(fut)
         if fut.cancelled() or fut.exception() is not None:
             comm = self._comm()
             if comm is not None:
@@ -103,9 +110,10 @@ class Transfers:
             engine.cancel(fut, CommClosedError(reason), drain=not cancel)
         for fut in list(self._sends):
             fut.remove_done_callback(self._sent)
-            if cancel:
+            if cancel and fut not in self._kept:
                 engine.cancel(fut, CommClosedError(reason))
             else:
                 engine.abandon(fut)
         self._receives.clear()
         self._sends.clear()
+        self._kept.clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from typing import NamedTuple
 
 import psutil
@@ -410,6 +411,25 @@ async def test_device_frames_lent_on_the_socket_open_no_channel(monkeypatch, tmp
             assert (await comm.read())["channel"] is None
             await comm.close()
             assert not mapped_of(comm)
+
+
+@gen_test(timeout=60)
+async def test_frames_copied_over_a_channel_outlive_an_abort(monkeypatch, tmp_path):
+    """By IPC over a channel the reader checks no lease: frames whose comm
+    aborts stay until the reader has them, or dies"""
+    with serving("ipc", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config), no_staging():
+            comm = await connect_over_mpi(peer.address)
+            await comm.write({"op": "stop-reading"})
+            x = OnDevice.random(3 * CHUNK, 1)
+            frame = weakref.ref(x.frame)
+            await comm.write({"op": "drop", "x": to_serialize([x])})
+            del x
+            comm.abort()
+            await asyncio.sleep(1)
+            assert frame() is not None  # the peer may read it yet
+            peer.job.crash()
+            await async_poll_for(lambda: frame() is None, timeout=20)
 
 
 @gen_test(timeout=60)
