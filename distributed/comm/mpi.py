@@ -194,7 +194,6 @@ class MPI(TCP):
         try:
             frames = await self.read_frames()
         except CommClosedError:
-            self._lender.close()
             self._leave_channel()  # closed by the peer, which frees it soon
             raise
         if frames and frames[0] and frames[0][0] == Head.MARK:  # inline: it is hot
@@ -241,7 +240,6 @@ class MPI(TCP):
         try:
             return stream.write_message(frames)
         except StreamClosedError as e:
-            self._lender.close()  # the reader is gone
             super().abort()  # the stream is closed: this marks the comm closed
             convert_stream_closed_error(self, e)
         except BaseException:
@@ -313,12 +311,7 @@ class MPI(TCP):
             copied = []
             if device:
                 entries = [(size, word) for _, size, _, word in device]
-                try:
-                    copied += await lender.mappings.copy(entries, head.extra)
-                except OSError as e:
-                    raise CommClosedError(
-                        f"cannot copy device frames from the writer: {mpi_copy.why(e)}"
-                    ) from e
+                copied += await lender.mappings.copy(entries, head.extra)
             # After the device frames' copies, it checks the lease of all
             copies = [(size, address) for _, size, _, address in host]
             copied += await mpi_copy.receive(lender.writer, copies, head.lease)
@@ -407,7 +400,7 @@ class MPI(TCP):
         process's memory, which keeps them until the peer says it has them;
         None, having written nothing, if the peer cannot copy a device frame
         of them"""
-        lent, entries, extra, nbytes = [], [], bytearray(), 0
+        lent, device, entries, extra, nbytes = [], [], [], bytearray(), 0
         for i in large:
             frame = frames[i]
             if mpi_gpu.is_device(frame):
@@ -416,6 +409,7 @@ class MPI(TCP):
                     return None
                 entries.append((i, mpi_gpu.nbytes(frame), DeviceIPC.code, len(extra)))
                 extra += record
+                device.append(frame)
             else:
                 frame = ensure_memoryview(frame)
                 entries.append(
@@ -423,8 +417,8 @@ class MPI(TCP):
                 )
             nbytes += entries[-1][1]
             lent.append(frame)
-        if extra:
-            mpi_gpu.synchronize([f for f in lent if mpi_gpu.is_device(f)])
+        if device:
+            mpi_gpu.synchronize(device)  # their producers are done
         tag, lease = self._lender.lend(lent, nbytes)
         head = Head(False, Head.LENT, tag, entries, lease.head, bytes(extra)).pack()
         return self.write_frames([head, *_inline(frames, large)]) + nbytes

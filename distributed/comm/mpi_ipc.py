@@ -19,6 +19,8 @@ import struct
 import threading
 
 from distributed.comm import mpi_gpu
+from distributed.comm.core import CommClosedError
+from distributed.comm.mpi_copy import why
 
 # Before each handle in a head's extra bytes: its length, the address of the
 # writer's allocation, and the frame's offset in it
@@ -75,8 +77,8 @@ class Mappings:
 
     async def copy(self, frames: list[tuple[int, int]], extra) -> list:
         """The device frames of these (size, word) entries of a head, copied
-        into buffers of this process's device; OSError if the writer's
-        memory is gone (the mappings are then closed)"""
+        into buffers of this process's device; CommClosedError if the
+        writer's memory is gone (the mappings are then closed)"""
         device = mpi_gpu.device()
         received = [device.buffer(size) for size, _ in frames]
         mpi_gpu.synchronize()  # the allocations, before anything writes
@@ -92,9 +94,11 @@ class Mappings:
                     dst = mpi_gpu.pointer(frame)
                     copies.append(mapping.copy_to(dst, offset, size, stream))
             await mpi_gpu.wait(copies)
-        except OSError:
+        except OSError as e:
             self.forget()  # the writer died: its allocations are gone
-            raise
+            raise CommClosedError(
+                f"cannot copy device frames from the writer: {why(e)}"
+            ) from e
         finally:
             self._copying -= 1
             if not self._users and not self._copying:

@@ -57,14 +57,15 @@ class Lender:
         if stream.socket.family != socket.AF_UNIX:
             return
         stream.take_notes(self._note)  # whatever this end does with them
+        # However the comm ends, even dropped unclosed: nothing is lent, or
+        # mapped, over a closed socket
+        stream.when_closed().add_done_callback(lambda _: self.close())
         if config("lend-on-socket") and policy.copies_from(peer):
             self.writer = LocalPeer.find(peer)
             note = Head.COPIES
             if policy.ipc_from(peer):
                 self.mappings = Mappings.of(peer.process, self.writer)
                 note |= Head.IPC
-                # However the comm ends, even dropped unclosed
-                stream.when_closed().add_done_callback(lambda _: self.close())
             stream.write_message([Head(False, 0, 0, [], note=note).pack()])
 
     @property

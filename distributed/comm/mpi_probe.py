@@ -68,11 +68,11 @@ def _copies() -> str:
     if scope in (1, 2) and _may_ptrace_any():
         scope = 0  # CAP_SYS_PTRACE passes Yama's checks but the last
     if scope:
+        which = "that are not parent and child" if scope == 1 else "at all"
         return (
-            f"no between processes that are not parent and child (Yama's "
-            f"ptrace_scope is {scope}): {through_mpi}, and GPU frames copied "
-            "by CUDA IPC are acknowledged over MPI (sysctl "
-            "kernel.yama.ptrace_scope=0 lets them copy)"
+            f"no between processes {which} (Yama's ptrace_scope is {scope}): "
+            f"{through_mpi}, and GPU frames copied by CUDA IPC are acknowledged "
+            "over MPI (sysctl kernel.yama.ptrace_scope=0 lets them copy)"
         )
     return (
         "yes, where both run as one user: a reader copies large frames from "

@@ -29,7 +29,6 @@ import asyncio
 from typing import ClassVar
 
 from distributed.comm import mpi_copy, mpi_gpu, mpi_ipc
-from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_buffers import host_buffer
 
 
@@ -184,12 +183,7 @@ class DeviceIPC(Route):
         if self._mappings is None:
             channel = self.channel
             self._mappings = mpi_ipc.Mappings.of(channel.peer, channel.sender)
-        try:
-            received = await self._mappings.copy(frames, msg.extra)
-        except OSError as e:
-            raise CommClosedError(
-                f"cannot copy device frames from the writer: {mpi_copy.why(e)}"
-            ) from e
+        received = await self._mappings.copy(frames, msg.extra)
         mpi_copy.acknowledge(msg.transfers.engine, self.channel, msg.tag)
         return received, []
 
