@@ -491,8 +491,7 @@ class MPI(TCP):
             return
         self._transfers.drop()
         # The peer copies what it read before the socket closes
-        if self.stream is not None:
-            await self._lender.returned(self.stream, LEND_AFTER_CLOSE)
+        await self._lender.returned(LEND_AFTER_CLOSE)
         self._lender.close()
         await super().close()
         self._leave_channel()

@@ -91,18 +91,15 @@ class Lender:
         except StreamClosedError:
             pass  # the writer is gone, and its lease with it
 
-    async def returned(self, stream: SocketStream, timeout: float) -> None:
+    async def returned(self, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the reader to have every
-        frame lent so far, while the stream is open"""
+        frame lent so far, while the socket is open (its closing gives them
+        up)"""
         if not self._leases:
             return
         self._returned = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait(
-                [self._returned, stream.when_closed()],
-                timeout=timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            await asyncio.wait([self._returned], timeout=timeout)
         finally:
             self._returned = None
 
