@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 from distributed.comm import mpi_gpu, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, beacon
@@ -42,37 +44,33 @@ def _devices() -> str:
         return f"none: {e}"
 
 
-def _may_ptrace_any() -> bool:
-    """Whether this process has CAP_SYS_PTRACE"""
-    try:
-        with open("/proc/self/status") as f:
-            caps = next(line for line in f if line.startswith("CapEff:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(int(caps.split()[1], 16) >> 19 & 1)
+# Run by a child of the probe: Yama's ptrace_scope 1 treats it as a sibling
+# worker, which may not read this process unless this process lets it
+_READ_PARENT = (
+    "import sys; from distributed.comm.mpi_liveness import LocalPeer; "
+    "sys.exit(not LocalPeer(int(sys.argv[1]), int(sys.argv[2])).readable())"
+)
 
 
 def _copies() -> str:
-    """Whether a process may read the memory of a sibling on this host, as
+    """Whether another process may read this one's memory, as
     ``mpi_policy.copies_from`` finds out of a peer"""
     through_mpi = "large host frames between processes of this host go through MPI"
     if not mpi_startup.config("local-copy"):
         return f"no (local-copy: false): {through_mpi}"
     if not LocalPeer(os.getpid(), beacon()).readable():
         return f"no, process_vm_readv fails here (seccomp?): {through_mpi}"
-    try:
-        with open(YAMA) as f:
-            scope = int(f.read())
-    except (OSError, ValueError):
-        scope = 0  # no Yama
-    if scope in (1, 2) and _may_ptrace_any():
-        scope = 0  # CAP_SYS_PTRACE passes Yama's checks but the last
-    if scope:
-        which = "that are not parent and child" if scope == 1 else "at all"
+    child = [sys.executable, "-c", _READ_PARENT, str(os.getpid()), str(beacon())]
+    if subprocess.run(child, timeout=120).returncode:
+        try:
+            with open(YAMA) as f:
+                scope = f"Yama's ptrace_scope is {f.read().strip()}"
+        except OSError:
+            scope = "no Yama"
         return (
-            f"no between processes {which} (Yama's ptrace_scope is {scope}): "
+            f"no, a process may not read another's memory here ({scope}): "
             f"{through_mpi}, and GPU frames copied by CUDA IPC are acknowledged "
-            "over MPI (sysctl kernel.yama.ptrace_scope=0 lets them copy)"
+            "over MPI"
         )
     return (
         "yes, where both run as one user: a reader copies large frames from "

@@ -438,6 +438,33 @@ def _can_unshare_pid() -> bool:
         return False
 
 
+def test_a_process_on_mpi_lets_its_siblings_read_its_memory():
+    """Workers of a node are siblings, which Yama's ptrace_scope 1 (Ubuntu's
+    default) forbids to read each other's memory unless the one read says any
+    process of its user may (as UCX and Open MPI do): without that, no frame
+    is copied between them"""
+    named = (
+        "import os; from distributed.comm.mpi_liveness import beacon; "
+        "print(os.getpid(), beacon(), flush=True); input()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", named],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            pid, address = map(int, proc.stdout.readline().split())
+            reads = (
+                "import sys; from distributed.comm.mpi_liveness import LocalPeer; "
+                f"sys.exit(not LocalPeer({pid}, {address}).readable())"
+            )
+            sibling = subprocess.run([sys.executable, "-c", reads], timeout=60)
+            assert sibling.returncode == 0
+        finally:
+            proc.kill()
+
+
 UNSHARE_PID = ["unshare", "--pid", "--fork", "--mount-proc"]
 
 
