@@ -105,10 +105,10 @@ class Device(Protocol):
     def synchronize(self, frames) -> None:
         """Wait for the GPU work that writes ``frames``, or allocated them"""
 
-    def export(self, frame) -> tuple[bytes, int, int] | None:
+    def export(self, frame) -> tuple[bytes, int, int, int] | None:
         """The IPC handle of the allocation that holds a device frame, the
-        allocation's address and the frame's offset in it; None if it cannot
-        be exported (memory of a stream-ordered pool)"""
+        allocation's address and size, and the frame's offset in it; None if
+        it cannot be exported (memory of a stream-ordered pool)"""
 
     def open(self, handle: bytes, writer) -> Mapping:
         """Map an allocation of the process ``writer`` (a ``LocalPeer``) by
@@ -211,7 +211,7 @@ class CuPyDevice:
             handle = self._cupy.cuda.runtime.ipcGetMemHandle(base.value)
         except self._cupy.cuda.runtime.CUDARuntimeError:
             return None
-        return bytes(handle), base.value, address - base.value
+        return bytes(handle), base.value, size.value, address - base.value
 
     def open(self, handle, writer):
         return _CuPyMapping(self._cupy, handle)
@@ -250,7 +250,7 @@ class HostDevice:
     def __init__(self):
         self.copies = 0  # started so far
         self.opened = 0  # IPC handles opened so far
-        self.mapped: set[tuple[int, int]] = set()  # (pid, base) of each mapping
+        self.mapped: dict[tuple[int, int], int] = {}  # size, by (pid, base)
 
     def buffer(self, size: int):
         return HostBuffer(size)
@@ -272,33 +272,46 @@ class HostDevice:
         pass  # nothing runs behind the host's back but copies, awaited each
 
     def export(self, frame):
-        base = frame.array.ctypes.data
-        return _HOST_HANDLE.pack(base, frame.nbytes, frame.id), base, 0
+        allocation = frame.pool or frame
+        base, size = allocation.array.ctypes.data, allocation.nbytes
+        handle = _HOST_HANDLE.pack(base, size, allocation.id)
+        return handle, base, size, frame.array.ctypes.data - base
 
     def open(self, handle, writer):
-        """As CUDA does: a handle of an allocation whose address this process
-        still maps for another is "already mapped" """
+        """As CUDA does: a handle of an allocation where this process still
+        maps another of the writer's is "already mapped" """
         base, nbytes, _ = _HOST_HANDLE.unpack(handle)
+        for pid, other in self.mapped:
+            if (
+                pid == writer.pid
+                and other < base + nbytes
+                and base < other + self.mapped[pid, other]
+            ):
+                raise RuntimeError(f"already mapped: {base:#x} of process {pid}")
         key = (writer.pid, base)
-        if key in self.mapped:
-            raise RuntimeError(f"already mapped: {base:#x} of process {writer.pid}")
         self.opened += 1
-        self.mapped.add(key)
+        self.mapped[key] = nbytes
         return _HostMapping(self, writer, key, nbytes)
 
 
 class HostBuffer:
-    """A device frame of :class:`HostDevice`.  Freed, it is overwritten first,
-    so that a reader copying it after the writer let it go gets other bytes"""
+    """A device frame of :class:`HostDevice`: an allocation of its own, or
+    bytes ``[offset, offset + size)`` of a ``pool``'s (as CuPy's and RMM's
+    pools hand out).  Freed, it is overwritten first, so that a reader
+    copying it after the writer let it go gets other bytes"""
 
     _ids = itertools.count(1)
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, pool: HostBuffer | None = None, offset: int = 0):
         import numpy
 
-        self.array = numpy.empty(size, "u1")
+        self.pool = pool
+        if pool is None:
+            self.array = numpy.empty(size, "u1")
+            self.id = next(self._ids)  # tells a reallocated address from the old
+        else:
+            self.array = pool.array[offset : offset + size]
         self.nbytes = size
-        self.id = next(self._ids)  # tells a reallocated address from the old
         self.__cuda_array_interface__ = {
             "data": (self.array.ctypes.data, False),
             "shape": (size,),
@@ -321,21 +334,29 @@ _HOST_HANDLE = struct.Struct("<QQQ")  # a HostBuffer's address, size and id
 
 class _HostMapping:
     """A HostBuffer of another process on this host, copied from with
-    ``process_vm_readv``, as late as a HostDevice copy is made"""
+    ``process_vm_readv``, as late as a HostDevice copy is made; a copy made
+    once the mapping is closed fails (on a GPU: undefined)"""
 
     def __init__(self, device: HostDevice, writer, key: tuple[int, int], nbytes: int):
         self._device, self._writer, self._key = device, writer, key
         self._nbytes = nbytes
+        self._closed = False
 
     def copy_to(self, dst, offset, size, stream):
         if offset + size > self._nbytes:
             raise ValueError("a copy beyond the allocation")
         self._device.copies += 1
-        read = functools.partial(self._writer.read, self._key[1] + offset, dst, size)
+        read = functools.partial(self._read, self._key[1] + offset, dst, size)
         return _HostCopy(read, polls=self._device.copies % 4)
 
+    def _read(self, address: int, dst: int, size: int) -> None:
+        if self._closed:
+            raise RuntimeError("a copy from a mapping closed before it was done")
+        self._writer.read(address, dst, size)
+
     def close(self):
-        self._device.mapped.discard(self._key)
+        self._closed = True
+        self._device.mapped.pop(self._key, None)
 
 
 class _HostCopy:

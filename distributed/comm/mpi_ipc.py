@@ -22,9 +22,12 @@ from distributed.comm import mpi_gpu
 from distributed.comm.core import CommClosedError
 from distributed.comm.mpi_copy import why
 
-# Before each handle in a head's extra bytes: its length, the address of the
-# writer's allocation, and the frame's offset in it
-_RECORD = struct.Struct("<HQQ")
+# Before each handle in a head's extra bytes: its length, the address and
+# size of the writer's allocation, and the frame's offset in it
+_RECORD = struct.Struct("<HQQQ")
+# cudaMalloc's granularity: an allocation less than this larger than a frame
+# holds that frame alone
+_GRANULARITY = 2 * 2**20
 
 
 def export(frame) -> bytes | None:
@@ -33,16 +36,22 @@ def export(frame) -> bytes | None:
     exported = mpi_gpu.device().export(frame)
     if exported is None:
         return None
-    handle, base, offset = exported
-    return _RECORD.pack(len(handle), base, offset) + handle
+    handle, base, nbytes, offset = exported
+    return _RECORD.pack(len(handle), base, nbytes, offset) + handle
 
 
 class Mappings:
-    """This process's mappings of one writer's allocations, the last
-    :data:`MAPPINGS`, kept while anything reads from that writer; one whose
-    address the writer freed and reallocated is mapped afresh"""
+    """This process's mappings of one writer's allocations, kept while
+    anything reads from that writer, the least recently used closed past
+    :data:`MAPPINGS`, or past :data:`MAPPED_BYTES` of allocations that each
+    held one frame.  A mapping keeps its allocation even once the writer
+    frees it (UCX's unbounded cache ran GPUs out of memory, openucx/ucx#4410),
+    which such allocations soon are (``cudaMalloc`` for one array), unlike
+    the larger ones of a pool (RMM's) that frames are pieces of.  One whose
+    address the writer freed and reallocated is mapped afresh."""
 
     MAPPINGS = 64
+    MAPPED_BYTES = 2**30
     _of: dict[str, Mappings] = {}  # by the writer's process id
     _lock = threading.Lock()  # comms of several event loops may share them
 
@@ -51,8 +60,12 @@ class Mappings:
         self._writer = writer  # a LocalPeer
         self._users = 0
         self._copying = 0
-        # By the writer's address: its allocation's handle, and the mapping
+        # By the writer's address, least recently used first: its
+        # allocation's handle and size, what of it counts against
+        # MAPPED_BYTES, and the mapping
         self._mapped: collections.OrderedDict = collections.OrderedDict()
+        self._nbytes = 0  # that count, in all
+        self._in_use: collections.Counter = collections.Counter()  # copied from
 
     @classmethod
     def of(cls, process: str, writer) -> Mappings:
@@ -84,12 +97,17 @@ class Mappings:
         mpi_gpu.synchronize()  # the allocations, before anything writes
         stream = mpi_gpu.copy_stream(device)
         self._copying += 1
+        used = []
         try:
             copies = []
             for frame, (size, word) in zip(received, frames):
-                n, base, offset = _RECORD.unpack_from(extra, word)
+                n, base, nbytes, offset = _RECORD.unpack_from(extra, word)
                 start = word + _RECORD.size
-                mapping = self._map(bytes(extra[start : start + n]), base)
+                held = nbytes if nbytes - size < _GRANULARITY else 0
+                handle = bytes(extra[start : start + n])
+                mapping = self._map(handle, base, nbytes, held)
+                self._in_use[base] += 1
+                used.append(base)
                 if size:
                     dst = mpi_gpu.pointer(frame)
                     copies.append(mapping.copy_to(dst, offset, size, stream))
@@ -100,26 +118,45 @@ class Mappings:
                 f"cannot copy device frames from the writer: {why(e)}"
             ) from e
         finally:
+            self._in_use -= collections.Counter(used)
             self._copying -= 1
             if not self._users and not self._copying:
                 self.forget()  # released meanwhile
+            else:
+                self._evict()
         return received
 
-    def _map(self, handle: bytes, base: int):
+    def _map(self, handle: bytes, base: int, size: int, held: int):
         cached = self._mapped.get(base)
         if cached is not None and cached[0] == handle:
             self._mapped.move_to_end(base)
-            return cached[1]
-        if cached is not None:  # freed by the writer, and reallocated
-            self._mapped.pop(base)[1].close()
-        elif len(self._mapped) >= self.MAPPINGS:
-            self._mapped.popitem(last=False)[1][1].close()
+            return cached[3]
+        # Allocations that the writer freed where this one is now: CUDA would
+        # not map it ("already mapped") while they are
+        for other, (_, other_size, _, _) in list(self._mapped.items()):
+            if other < base + size and base < other + other_size:
+                self._close(other)
         mapping = mpi_gpu.device().open(handle, self._writer)
-        self._mapped[base] = handle, mapping
+        self._mapped[base] = handle, size, held, mapping
+        self._nbytes += held
         return mapping
+
+    def _evict(self) -> None:
+        """Close the least recently used mappings past the limits, but the
+        latest and those copied from now"""
+        for base in list(self._mapped)[:-1]:
+            too_many = len(self._mapped) > self.MAPPINGS
+            if not too_many and self._nbytes <= self.MAPPED_BYTES:
+                return
+            if not self._in_use[base] and (too_many or self._mapped[base][2]):
+                self._close(base)
+
+    def _close(self, base: int) -> None:
+        _, _, held, mapping = self._mapped.pop(base)
+        self._nbytes -= held
+        mapping.close()
 
     def forget(self) -> None:
         """Close every mapping"""
         while self._mapped:
-            _, (_, mapping) = self._mapped.popitem()
-            mapping.close()
+            self._close(next(iter(self._mapped)))

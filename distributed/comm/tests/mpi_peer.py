@@ -7,7 +7,9 @@ writes its address to FILE and echoes every message back, except
 With ``distributed.comm.mpi.device-backend: host``, it answers
 ``{"op": "device", "x": [...], "make": [(size, seed), ...]}`` with the
 digests of the :class:`OnDevice` items of ``x``, ``x`` itself, and the
-``OnDevice.random`` frames asked for: device frames go each way checked, not
+``OnDevice.random`` frames asked for (keeping them, with ``"keep": True``;
+as pieces of one allocation, with ``"pool": True``):
+device frames go each way checked, not
 only there and back, where a fault on the way out could undo one on the way
 back.
 
@@ -67,6 +69,7 @@ it connects, sends, writes FILE.sender, and kills itself once FILE.die exists.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import signal
@@ -98,9 +101,14 @@ class OnDevice:
         self.frame = frame
 
     @classmethod
-    def random(cls, size: int, seed: int) -> OnDevice:
-        """Random bytes in a device frame of the host backend"""
-        frame = mpi_gpu.device_buffer(size)
+    def random(cls, size: int, seed: int, pool=None) -> OnDevice:
+        """Random bytes in a device frame of the host backend: an allocation
+        of its own, or a piece of the allocation ``pool``"""
+        if pool is None:
+            frame = mpi_gpu.device_buffer(size)
+        else:
+            offset = seed * 2**16 % (pool.nbytes - size)  # pieces under 64 KiB apart
+            frame = mpi_gpu.HostBuffer(size, pool, offset)
         frame.array[:] = np.random.default_rng(seed).integers(0, 256, size, "u1")
         return cls(frame)
 
@@ -132,6 +140,12 @@ dask_deserialize.register(OnDeviceOrHost)(
 
 
 _kept: list = []
+
+
+@functools.cache
+def _pool():
+    """An allocation of the host device that frames are pieces of"""
+    return mpi_gpu.HostBuffer(4 * 2**20)
 
 
 async def handle(comm):
@@ -179,13 +193,17 @@ async def handle(comm):
                 device = mpi_gpu.device()
                 msg = {"opened": device.opened, "mapped": len(device.mapped)}
             elif isinstance(msg, dict) and msg.get("op") == "device":
+                pool = _pool() if msg.get("pool") else None
+                made = [OnDevice.random(*x, pool) for x in msg["make"]]
+                if msg.get("keep"):
+                    _kept.append(made)
                 msg = {
                     "digests": [
                         x.digest() if isinstance(x, OnDevice) else None
                         for x in msg["x"]
                     ],
                     "x": to_serialize(msg["x"]),
-                    "made": to_serialize([OnDevice.random(*x) for x in msg["make"]]),
+                    "made": to_serialize(made),
                 }
             await comm.write(msg)
     except CommClosedError:

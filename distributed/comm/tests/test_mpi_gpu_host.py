@@ -27,7 +27,7 @@ np = pytest.importorskip("numpy")
 
 import dask
 
-from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu
+from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu, mpi_ipc
 from distributed.comm.mpi_channel import channels
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_peer import OnDevice, OnDeviceOrHost
@@ -492,6 +492,100 @@ async def test_ipc_maps_a_reallocated_address_afresh(ipc_peer):
             del x
         await comm.close()
     assert reused, "no address was reused: the test did not test"
+
+
+def allocated_at(arena: np.ndarray, start: int, size: int, seed: int) -> OnDevice:
+    """Random bytes in a device frame of the host backend that stands for an
+    allocation at ``start`` of ``arena``: where the test says, not malloc"""
+    frame = mpi_gpu.HostBuffer(0)
+    frame.array = arena[start : start + size]
+    frame.array[:] = np.random.default_rng(seed).integers(0, 256, size, "u1")
+    frame.nbytes = size
+    frame.__cuda_array_interface__ = {
+        **frame.__cuda_array_interface__,
+        "data": (frame.array.ctypes.data, False),
+        "shape": (size,),
+    }
+    return OnDevice(frame)
+
+
+@gen_test(timeout=60)
+async def test_ipc_maps_an_allocation_over_freed_ones_afresh(ipc_peer):
+    """Frames freed by the writer, and another allocated across their
+    addresses: the reader drops its mappings of every old one that the new
+    overlaps (CUDA: "already mapped"), not only of one at the same address"""
+    arena = np.empty(16 * CHUNK, "u1")
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        for i, (start, size) in enumerate(
+            [(4, 2), (8, 2), (3, 8), (0, 4), (2, 12)]  # in chunks
+        ):
+            x = allocated_at(arena, start * CHUNK, size * CHUNK, i)
+            await exchange(comm, [x], [])
+            freed = weakref.ref(x.frame)
+            del x
+            # Once the writer let it go: an allocator reuses no memory sooner
+            await async_poll_for(lambda: freed() is None, timeout=5)
+        await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_ipc_mappings_of_one_frame_allocations_are_bounded(ipc_peer, monkeypatch):
+    """Allocations that each hold one frame, which their writer soon frees
+    and a mapping would keep: past MAPPED_BYTES of them, the least recently
+    used mappings close"""
+    size = 3 * CHUNK
+    monkeypatch.setattr(mpi_ipc.Mappings, "MAPPED_BYTES", 4 * size)
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        for i in range(10):
+            make = [(size, i)]
+            await comm.write({"op": "device", "x": [], "make": make, "keep": True})
+            check(await comm.read(), [], make)
+            assert len(mapped_of(comm)) <= 4
+        await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_ipc_maps_a_pool_once_for_its_pieces(ipc_peer, monkeypatch):
+    """Frames that are pieces of one larger allocation (CuPy's and RMM's
+    pools) are copied from their offsets through one mapping, which stays
+    past MAPPED_BYTES: the writer frees not the pool but its pieces"""
+    monkeypatch.setattr(mpi_ipc.Mappings, "MAPPED_BYTES", 1)
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        opened = mpi_gpu.device().opened
+        for i in range(6):
+            make = [(3 * CHUNK, i), (CHUNK + 1, i + 10)]
+            await comm.write({"op": "device", "x": [], "make": make, "pool": True})
+            check(await comm.read(), [], make)
+            # and one frame in an allocation of its own, now and then
+            make = [(CHUNK, i + 20)]
+            await comm.write({"op": "device", "x": [], "make": make, "keep": True})
+            check(await comm.read(), [], make)
+        # The pool, and the latest of the others
+        assert mpi_gpu.device().opened - opened == 1 + 6
+        assert len(mapped_of(comm)) == 2
+        await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_ipc_mappings_copied_from_stay_open(ipc_peer, monkeypatch):
+    """Comms read frames of one writer at once, each in an allocation
+    of its own, past MAPPED_BYTES: no mapping closes while a copy from it
+    is under way"""
+    monkeypatch.setattr(mpi_ipc.Mappings, "MAPPED_BYTES", 1)
+    with dask.config.set(ipc_peer.config), no_staging():
+        comms = [await connect_over_mpi(ipc_peer.address) for _ in range(3)]
+
+        async def read_frames(comm, seed: int):
+            for i in range(30):
+                make = [(3 * CHUNK, seed + i), (CHUNK, seed + i + 1)]
+                await comm.write({"op": "device", "x": [], "make": make})
+                check(await comm.read(), [], make)
+
+        await asyncio.gather(*(read_frames(c, 100 * i) for i, c in enumerate(comms)))
+        await asyncio.gather(*(comm.close() for comm in comms))
 
 
 @gen_test(timeout=60)
