@@ -9,6 +9,7 @@ figures that say where mpi:// spends its time on device frames.
   a synchronize, a device-to-device copy;
 - opening a handle in another process, and its first copy, for fresh
   allocations (what a reader pays when the writer's buffer is new);
+- whether a mapping in another process keeps memory that its owner freed;
 - the ping-pong of ``mpi:// ipc`` with RMM importable and without it (the
   receive buffers then come from CuPy's pool, whose allocations are reused,
   so the reader's mappings are too).
@@ -130,6 +131,63 @@ def open_here() -> None:
     )
 
 
+def freed_while_mapped() -> dict:
+    """GiB in use on the GPU as this process allocates 1 GiB, another maps
+    it, this one frees it, and the other unmaps it: whether a mapping keeps
+    freed memory (what ``mpi_ipc.Mappings`` bounds)"""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+
+    def used() -> float:
+        free, total = runtime.memGetInfo()
+        return (total - free) / 2**30
+
+    child = subprocess.Popen(
+        [sys.executable, __file__, "map"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child.stdin.write("\n")  # its context first
+        child.stdin.flush()
+        child.stdout.readline()
+        figures = {"before": used()}
+        buffer = runtime.malloc(2**30)
+        child.stdin.write(bytes(runtime.ipcGetMemHandle(buffer)).hex() + "\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        figures["allocated here, mapped there"] = used()
+        runtime.free(buffer)
+        figures["freed here, still mapped there"] = used()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        figures["unmapped there"] = used()
+    finally:
+        child.kill()
+        child.wait(60)
+    return figures
+
+
+def map_here() -> None:
+    """The child of :func:`freed_while_mapped`"""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    runtime.free(runtime.malloc(1))  # a context
+    sys.stdin.readline()
+    print("ready", flush=True)
+    handle = bytes.fromhex(sys.stdin.readline().strip())
+    base = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+    print("mapped", flush=True)
+    sys.stdin.readline()
+    runtime.ipcCloseMemHandle(base)
+    print("closed", flush=True)
+    sys.stdin.read()
+
+
 def without_rmm() -> dict:
     """``mpi:// ipc``'s ping-pong (quick sizes) as it is, and with RMM hidden"""
     results = {}
@@ -149,8 +207,17 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"machine": pingpong.versions()}
-    for name, part in [("steps", steps), ("opens", opens), ("pingpong", without_rmm)]:
-        results[name] = part()
+    parts = [
+        ("steps", steps),
+        ("opens", opens),
+        ("freed while mapped", freed_while_mapped),
+        ("pingpong", without_rmm),
+    ]
+    for name, part in parts:
+        try:
+            results[name] = part()
+        except Exception as e:  # one GPU run: the other parts still count
+            results[name] = {"error": repr(e)}
         print(name, json.dumps(results[name], indent=1), file=sys.stderr)
         with open(os.path.join(args.out, "gpu_costs.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -159,5 +226,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["open"]:
         open_here()
+    elif sys.argv[1:2] == ["map"]:
+        map_here()
     else:
         main()
