@@ -21,7 +21,7 @@ np = pytest.importorskip("numpy")
 import dask
 
 from distributed import Client, LocalCluster
-from distributed.comm import CommClosedError, connect, mpi_gpu, mpi_startup
+from distributed.comm import CommClosedError, connect, mpi_gpu, mpi_ipc, mpi_startup
 from distributed.comm.mpi import Head
 from distributed.comm.mpi_routes import Staged
 from distributed.comm.mpi_channel import channels
@@ -240,6 +240,38 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(
         assert not staged_copies  # received by IPC (or direct): nothing staged
     else:
         assert staged_copies
+
+
+@gpu
+@gen_test(timeout=120)
+async def test_frames_freed_by_their_writer_are_not_kept_by_its_reader(tmp_path):
+    """A reader's mapping keeps the writer's allocation even once the writer
+    frees it (openucx/ucx#4410): arrays of allocations of their own
+    (cudaMalloc, no pool), each sent, copied and freed, leave no more than
+    ``Mappings.MAPPED_BYTES`` of the GPU's memory in use"""
+    import cupy
+
+    size = 2**28
+
+    def used() -> int:
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+
+    async with comm_to_a_peer(tmp_path) as comm:
+
+        async def send_fresh(i: int) -> None:
+            memory = cupy.cuda.Memory(size)  # cudaMalloc: freed with x
+            x = cupy.ndarray(size, "u1", cupy.cuda.MemoryPointer(memory, 0))
+            x.fill(i)
+            await comm.write({"op": "sum", "x": to_serialize(x)})
+            assert (await comm.read())["sum"] == i * size
+
+        for i in range(2):
+            await send_fresh(i)
+        before = used()
+        for i in range(16):
+            await send_fresh(i)
+        assert used() - before <= mpi_ipc.Mappings.MAPPED_BYTES + 2 * size
 
 
 @gpu
