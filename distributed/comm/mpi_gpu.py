@@ -281,12 +281,8 @@ class HostDevice:
         """As CUDA does: a handle of an allocation where this process still
         maps another of the writer's is "already mapped" """
         base, nbytes, _ = _HOST_HANDLE.unpack(handle)
-        for pid, other in self.mapped:
-            if (
-                pid == writer.pid
-                and other < base + nbytes
-                and base < other + self.mapped[pid, other]
-            ):
+        for (pid, other), size in self.mapped.items():
+            if pid == writer.pid and other < base + nbytes and base < other + size:
                 raise RuntimeError(f"already mapped: {base:#x} of process {pid}")
         key = (writer.pid, base)
         self.opened += 1
