@@ -105,7 +105,9 @@ if [ -d "$HERE/ucxx" ]; then  # bundle --ucxx: ucx:// and RMM
 fi
 which mpiexec
 status=0
-tests=(distributed/comm/tests/test_mpi_gpu.py)
+# The GPU tests, and whether workers may read each other's memory there (Yama)
+tests=(distributed/comm/tests/test_mpi_gpu.py
+    distributed/comm/tests/test_mpi_processes.py::test_a_process_on_mpi_lets_its_siblings_read_its_memory)
 if [ "${1:-test}" = direct ]; then
     export LD_LIBRARY_PATH="$HERE/ucx-cuda" DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE=true
     tests+=(-k "between_two_processes or on_a_cluster or without_gpu")
