@@ -282,6 +282,9 @@ class MPI(TCP):
             raise CommClosedError(f"{self}: MPI stopped delivering")
         except CommClosedError:
             self.abort()
+            if channel.peer in mpi_ipc.unmappable:
+                # It was opened to copy the peer's GPU memory: the next will not
+                channels.release(channel)
             raise
         except get_mpi().Exception as e:
             self.abort()
@@ -355,7 +358,13 @@ class MPI(TCP):
         if not large:
             return self.write_frames(frames)
         if lender.peer_copies:
-            nbytes = self._write_lent(frames, large)
+            # GPU data between processes that cannot map each other's GPU
+            # memory takes the channel (staged, or direct): until it is open,
+            # as host frames
+            want = bool(link.gpu) and not gpu
+            if want and link.dial:
+                opener.open_soon(link.dial, link.peer)
+            nbytes = self._write_lent(frames, large, want and not link.dial)
             if nbytes is not None:
                 return nbytes
         channel = channels.get(link.peer.process)
@@ -395,11 +404,14 @@ class MPI(TCP):
             ),
         )
 
-    def _write_lent(self, frames: list, large: list) -> int | None:
+    def _write_lent(
+        self, frames: list, large: list, want_channel: bool = False
+    ) -> int | None:
         """Write a message whose ``large`` frames the peer copies from this
-        process's memory, which keeps them until the peer says it has them;
-        None, having written nothing, if the peer cannot copy a device frame
-        of them"""
+        process's memory, which keeps them until the peer says it has them
+        (and asks the peer to open a channel, if ``want_channel``); None,
+        having written nothing, if the peer cannot copy a device frame of
+        them"""
         lent, device, entries, extra, nbytes = [], [], [], bytearray(), 0
         for i in large:
             frame = frames[i]
@@ -420,7 +432,8 @@ class MPI(TCP):
         if device:
             mpi_gpu.synchronize(device)  # their producers are done
         tag, lease = self._lender.lend(lent, nbytes)
-        head = Head(False, Head.LENT, tag, entries, lease.head, bytes(extra)).pack()
+        head = Head(want_channel, Head.LENT, tag, entries, lease.head, bytes(extra))
+        head = head.pack()
         return self.write_frames([head, *_inline(frames, large)]) + nbytes
 
     async def _write_routed(self, channel: Channel, frames: list, large: list):

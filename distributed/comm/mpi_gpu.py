@@ -41,6 +41,7 @@ import functools
 import importlib.util
 import itertools
 import math
+import os
 import struct
 from collections.abc import Callable
 from typing import Protocol
@@ -113,6 +114,10 @@ class Device(Protocol):
     def open(self, handle: bytes, writer) -> Mapping:
         """Map an allocation of the process ``writer`` (a ``LocalPeer``) by
         its IPC handle"""
+
+    def visible(self) -> list[str]:
+        """The devices this process sees, by PCI bus id, its own first: a
+        process maps allocations of the devices it sees only"""
 
 
 class Mapping(Protocol):
@@ -216,6 +221,13 @@ class CuPyDevice:
     def open(self, handle, writer):
         return _CuPyMapping(self._cupy, handle)
 
+    @functools.cache
+    def visible(self):
+        runtime = self._cupy.cuda.runtime
+        ids = [runtime.deviceGetPCIBusId(i) for i in range(runtime.getDeviceCount())]
+        own = runtime.getDevice()
+        return [ids[own], *ids[:own], *ids[own + 1 :]]
+
 
 @functools.cache
 def _libcuda():
@@ -288,6 +300,10 @@ class HostDevice:
         self.opened += 1
         self.mapped[key] = nbytes
         return _HostMapping(self, writer, key, nbytes)
+
+    def visible(self):
+        """As a process that CUDA_VISIBLE_DEVICES restricts, where it is set"""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
 
 
 class HostBuffer:
@@ -412,7 +428,11 @@ def hello(MPI) -> dict | None:
     """What this process says of its GPU in the handshake: None without one"""
     if not has_gpu():
         return None
-    return {"cuda_aware": cuda_aware(MPI)[0], "ipc": bool(config("device-ipc"))}
+    return {
+        "cuda_aware": cuda_aware(MPI)[0],
+        "ipc": bool(config("device-ipc")),
+        "devices": device().visible(),
+    }
 
 
 async def wait(events: list) -> None:

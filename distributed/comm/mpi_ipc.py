@@ -40,6 +40,10 @@ def export(frame) -> bytes | None:
     return _RECORD.pack(len(handle), base, nbytes, offset) + handle
 
 
+# The writers whose memory this process failed to map
+unmappable: set[str] = set()
+
+
 class Mappings:
     """This process's mappings of one writer's allocations, kept while
     anything reads from that writer, the least recently used closed past
@@ -136,7 +140,14 @@ class Mappings:
         for other, (_, other_size, _, _) in list(self._mapped.items()):
             if other < base + size and base < other + other_size:
                 self._close(other)
-        mapping = mpi_gpu.device().open(handle, self._writer)
+        try:
+            mapping = mpi_gpu.device().open(handle, self._writer)
+        except Exception as e:  # a GPU that this process may not map
+            unmappable.add(self._process)
+            raise CommClosedError(
+                f"cannot map the writer's GPU memory ({e}): its next comms "
+                "move device frames through MPI"
+            ) from e
         self._mapped[base] = handle, size, held, mapping
         self._nbytes += held
         return mapping

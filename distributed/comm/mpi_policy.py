@@ -23,7 +23,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from distributed.comm import mpi_gpu, mpi_startup
+from distributed.comm import mpi_gpu, mpi_ipc, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
 
 if TYPE_CHECKING:
@@ -170,10 +170,18 @@ def ipc_from(peer: Peer) -> bool:
     """Whether this process will copy the device frames that ``peer`` writes
     to it from the peer's GPU memory (``device-ipc``, CUDA IPC): both have a
     GPU and say they may, on this host and in one PID namespace (legacy IPC
-    handles do not cross them).  The host backend copies with
-    ``process_vm_readv``: the kernel must let it read the peer's memory."""
+    handles do not cross them), this process sees the peer's GPU (not where
+    each sees its own alone: Slurm's ``--gpus-per-task``), and mapping the
+    peer's memory did not fail before (MIG, containers).  The host backend
+    copies with ``process_vm_readv``: the kernel must let it read the peer's
+    memory."""
     mine = mpi_gpu.hello(mpi_startup.get_mpi())
     if not (mine and mine["ipc"] and peer.gpu and peer.gpu.get("ipc") is True):
+        return False
+    theirs = peer.gpu.get("devices")
+    if not theirs or theirs[0] not in mine["devices"]:
+        return False
+    if peer.process in mpi_ipc.unmappable:
         return False
     local = LocalPeer.find(peer)
     if local is None:

@@ -475,6 +475,74 @@ async def test_device_frames_that_cannot_be_exported_are_not_lent(
             await comm.close()
 
 
+@gen_test(timeout=60)
+async def test_device_frames_between_gpus_that_cannot_map_each_other_are_staged(
+    monkeypatch, tmp_path
+):
+    """Each process sees its own GPU alone (Slurm's ``--gpus-per-task``):
+    device frames are not copied by IPC, but staged over the channel that
+    the first of them asks for, as host frames until it is open"""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the peer's
+    with serving("lent", monkeypatch, tmp_path) as peer:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # this process's
+        with dask.config.set(peer.config):
+            comm = await connect(peer.address)
+            device = mpi_gpu.device()
+            opened = device.opened
+            staged = []  # copies through pinned slots
+            stage = device.copy
+            monkeypatch.setattr(
+                device, "copy", lambda *a: staged.append(a) or stage(*a)
+            )
+            x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
+            for _ in range(100):
+                await exchange(comm, [x], [])
+                if comm.channel is not None:
+                    break
+                assert not staged  # as host frames
+                await asyncio.sleep(0.05)
+            assert comm.channel is not None
+            await exchange(comm, [x], [(CHUNK + 1, 2)])
+            assert staged
+            assert device.opened == opened and not mapped_of(comm)
+            await comm.close()
+
+
+@gen_test(timeout=90)
+async def test_a_writer_whose_memory_cannot_be_mapped_is_staged_from(
+    ipc_peer, monkeypatch
+):
+    """Mapping the peer's GPU memory fails (MIG, a container): that read
+    fails clearly, and the next comms' device frames from the peer are
+    staged over a channel that does not copy by IPC"""
+    with dask.config.set(ipc_peer.config):
+        # Two comms, which keep a channel in use as the first fails
+        other = await connect_over_mpi(ipc_peer.address)
+        comm = await connect_over_mpi(ipc_peer.address)
+        device = mpi_gpu.device()
+
+        def refuse(*args):
+            raise RuntimeError("operation not supported")
+
+        monkeypatch.setattr(device, "open", refuse)
+        staged = []  # copies through pinned slots
+        stage = device.copy
+        monkeypatch.setattr(device, "copy", lambda *a: staged.append(a) or stage(*a))
+        x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
+        await comm.write({"op": "device", "x": to_serialize([x]), "make": []})
+        with pytest.raises(CommClosedError, match="cannot map"):
+            await comm.read()
+        for _ in range(100):
+            comm = await connect(ipc_peer.address)
+            await exchange(comm, [x], [])
+            await comm.close()
+            if staged:
+                break
+            await asyncio.sleep(0.05)
+        assert staged
+        other.abort()
+
+
 @gen_test(timeout=90)
 async def test_ipc_maps_a_reallocated_address_afresh(ipc_peer):
     """A frame freed by the writer and another allocated at its address: the
