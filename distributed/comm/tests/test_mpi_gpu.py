@@ -232,6 +232,12 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__DEVICE_IPC", str(ipc))
     with dask.config.set({"distributed.comm.mpi.device-ipc": ipc}):
         async with comm_to_a_peer(tmp_path) as comm:
+            for _ in range(100 if not ipc else 0):
+                # Without IPC, as host frames until the channel is open
+                await echoed(comm, cupy.ones(2**22, "u1"))
+                if comm.channel is not None:
+                    break
+                await asyncio.sleep(0.05)
             pool = cupy.arange(2**24, dtype="u1")  # pieces of one allocation
             for x in [pool[: 2**20], pool[2**20 : 2**22], cupy.ones(2**22, "f8")]:
                 y = (await echoed(comm, [x, x + 1]))["x"]
