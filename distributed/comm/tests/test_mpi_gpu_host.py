@@ -354,6 +354,27 @@ async def mappings(address) -> dict:
     return reply
 
 
+def staging(monkeypatch) -> list:
+    """The copies through pinned slots that this process makes from now"""
+    device = mpi_gpu.device()
+    staged: list = []
+    stage = device.copy
+    monkeypatch.setattr(device, "copy", lambda *a: staged.append(a) or stage(*a))
+    return staged
+
+
+async def host_frames_until_the_channel(comm, x: list, make: list, staged: list):
+    """Exchange ``x`` and ``make`` until a message takes the MPI channel: as
+    host frames, nothing staged, until then"""
+    for _ in range(100):
+        await exchange(comm, x, make)
+        if comm.channel is not None:  # this message took it
+            return
+        assert not staged
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{comm} opened no MPI channel")
+
+
 @contextlib.contextmanager
 def no_staging():
     """Fail on a copy through pinned slots in this process"""
@@ -458,19 +479,9 @@ async def test_device_frames_that_cannot_be_exported_are_not_lent(
             comm = await connect_over_mpi(peer.address)
             device = mpi_gpu.device()
             monkeypatch.setattr(device, "export", lambda frame: None)
-            staged = []  # copies through pinned slots
-            stage = device.copy
-            monkeypatch.setattr(
-                device, "copy", lambda *a: staged.append(a) or stage(*a)
-            )
+            staged = staging(monkeypatch)
             x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
-            for _ in range(100):
-                await exchange(comm, [x], [(CHUNK + 1, 2)])
-                if comm.channel is not None:  # this message took it
-                    break
-                assert not staged  # as host frames
-                await asyncio.sleep(0.05)
-            assert comm.channel is not None
+            await host_frames_until_the_channel(comm, [x], [(CHUNK + 1, 2)], staged)
             assert staged
             await comm.close()
 
@@ -489,19 +500,9 @@ async def test_device_frames_between_gpus_that_cannot_map_each_other_are_staged(
             comm = await connect(peer.address)
             device = mpi_gpu.device()
             opened = device.opened
-            staged = []  # copies through pinned slots
-            stage = device.copy
-            monkeypatch.setattr(
-                device, "copy", lambda *a: staged.append(a) or stage(*a)
-            )
+            staged = staging(monkeypatch)
             x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
-            for _ in range(100):
-                await exchange(comm, [x], [])
-                if comm.channel is not None:
-                    break
-                assert not staged  # as host frames
-                await asyncio.sleep(0.05)
-            assert comm.channel is not None
+            await host_frames_until_the_channel(comm, [x], [], staged)
             await exchange(comm, [x], [(CHUNK + 1, 2)])
             assert staged
             assert device.opened == opened and not mapped_of(comm)
@@ -525,9 +526,7 @@ async def test_a_writer_whose_memory_cannot_be_mapped_is_staged_from(
             raise RuntimeError("operation not supported")
 
         monkeypatch.setattr(device, "open", refuse)
-        staged = []  # copies through pinned slots
-        stage = device.copy
-        monkeypatch.setattr(device, "copy", lambda *a: staged.append(a) or stage(*a))
+        staged = staging(monkeypatch)
         x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
         await comm.write({"op": "device", "x": to_serialize([x]), "make": []})
         with pytest.raises(CommClosedError, match="cannot map"):
