@@ -224,7 +224,11 @@ class CuPyDevice:
     @functools.cache
     def visible(self):
         runtime = self._cupy.cuda.runtime
-        ids = [runtime.deviceGetPCIBusId(i) for i in range(runtime.getDeviceCount())]
+        devices = range(runtime.getDeviceCount())
+        try:
+            ids = [runtime.deviceGetPCIBusId(i) for i in devices]
+        except Exception:  # their numbers, then: a mapping that fails tells
+            ids = [str(i) for i in devices]
         own = runtime.getDevice()
         return [ids[own], *ids[:own], *ids[own + 1 :]]
 
