@@ -234,7 +234,7 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(
         async with comm_to_a_peer(tmp_path) as comm:
             for _ in range(100 if not ipc else 0):
                 # Without IPC, as host frames until the channel is open
-                await echoed(comm, cupy.ones(2**22, "u1"))
+                await echoed(comm, cupy.ones(2**23, "u1"))
                 if comm.channel is not None:
                     break
                 await asyncio.sleep(0.05)
