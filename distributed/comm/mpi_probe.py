@@ -95,7 +95,10 @@ def main() -> None:
         frames = f"staged through pinned host memory, in {chunk} chunks"
     if mpi_gpu.has_gpu():
         if mpi_startup.config("device-ipc"):
-            frames = f"on this host, copied by CUDA IPC; to other hosts, {frames}"
+            frames = (
+                "on this host, copied by CUDA IPC between processes that see "
+                f"each other's GPU; else, {frames}"
+            )
         frames += "; as host frames to peers without a GPU"
     rows = [
         ("CUDA devices", _devices()),
