@@ -37,8 +37,8 @@ class Transfers:
         self.engine: ProgressEngine | None = None  # once a transfer is posted
         self.posting = asyncio.Lock()  # held while a message's sends are posted
         self._receives: set[asyncio.Future] = set()  # of the read in progress
-        self._sends: set[asyncio.Future] = set()  # of writes not complete
-        self._kept: set[asyncio.Future] = set()  # of those, kept past an abort
+        # Of writes not complete: whether each is kept past an abort
+        self._sends: dict[asyncio.Future, bool] = {}
 
     def poster(
         self, channel: Channel, tag: int, receive: bool
@@ -86,14 +86,11 @@ class Transfers:
         frames by IPC), kept, should the comm abort, until the reader says it
         has them, dies, or the connect timeout passes"""
         if not fut.done():
-            self._sends.add(fut)
-            if keep:
-                self._kept.add(fut)
+            self._sends[fut] = keep
             fut.add_done_callback(self._sent)
 
     def _sent(self, fut: asyncio.Future) -> None:
-        self._sends.discard(fut)
-        self._kept.discard(fut)
+        self._sends.pop(fut, None)
         if fut.cancelled() or fut.exception() is not None:
             comm = self._comm()
             if comm is not None:
@@ -108,12 +105,11 @@ class Transfers:
         engine, reason = self.engine, f"{self._comm()} closed"
         for fut in list(self._receives):
             engine.cancel(fut, CommClosedError(reason), drain=not cancel)
-        for fut in list(self._sends):
+        for fut, keep in list(self._sends.items()):
             fut.remove_done_callback(self._sent)
-            if cancel and fut not in self._kept:
+            if cancel and not keep:
                 engine.cancel(fut, CommClosedError(reason))
             else:
                 engine.abandon(fut)
         self._receives.clear()
         self._sends.clear()
-        self._kept.clear()
