@@ -361,16 +361,13 @@ class MPI(TCP):
             # GPU data between processes that cannot map each other's GPU
             # memory takes the channel (staged, or direct): until it is open,
             # as host frames
-            want = bool(link.gpu) and not gpu
-            if want and link.dial:
-                opener.open_soon(link.dial, link.peer)
-            nbytes = self._write_lent(frames, large, want and not link.dial)
+            want = bool(link.gpu) and not gpu and self._ask_for_channel()
+            nbytes = self._write_lent(frames, large, want)
             if nbytes is not None:
                 return nbytes
         channel = channels.get(link.peer.process)
         if channel is None:
-            if link.dial:
-                opener.open_soon(link.dial, link.peer)
+            want = self._ask_for_channel()
             if any(mpi_gpu.is_device(frames[i]) for i in large):
                 # Device frames that could not be lent, and no channel for
                 # them: as host frames, this time
@@ -378,9 +375,8 @@ class MPI(TCP):
                 frames = await self._to_frames(msg, host, on_error)
                 large = _large_frames(frames, link)
                 if large and lender.peer_copies:
-                    return self._write_lent(frames, large)
-            want = [] if link.dial else [_WANT_CHANNEL_HEAD]
-            return self.write_frames([*want, *frames])
+                    return self._write_lent(frames, large, want)
+            return self.write_frames([_WANT_CHANNEL_HEAD, *frames] if want else frames)
         frames = [f if mpi_gpu.is_device(f) else ensure_memoryview(f) for f in frames]
         return await self._write_routed(channel, frames, large)
 
@@ -403,6 +399,15 @@ class MPI(TCP):
                 else 2**62
             ),
         )
+
+    def _ask_for_channel(self) -> bool:
+        """Have a channel opened to the peer: this end opens it if it dialled,
+        else the peer, asked by the head of the message written next (True)"""
+        link = self._link
+        if link.dial:
+            opener.open_soon(link.dial, link.peer)
+            return False
+        return True
 
     def _write_lent(
         self, frames: list, large: list, want_channel: bool = False
