@@ -20,8 +20,10 @@ their copy acknowledged, over an MPI channel), "staged" (``device-ipc`` off;
 through pinned host memory), "direct" (``device-ipc`` off, MPI taken as
 CUDA-aware; measured only where ``python -m distributed.comm.mpi_probe`` says
 it is, or with ``--direct``).  Each transport is measured in a process of
-its own, stopped after ``--limit`` seconds; ``gpu.json`` (rewritten after each
-transport) says which did not finish.  Writes ``gpu.json`` and ``gpu.png``.
+its own, once for the ping-pong and once for the workloads, stopped after
+``--limit`` seconds each; ``gpu.json`` (rewritten after each) says which did
+not finish, and the run's output where each process of those was.  Writes
+``gpu.json`` and ``gpu.png``.
 
 ``--host-arrays`` puts numpy in CuPy's place: a rehearsal of the whole run on
 a machine without a GPU, whose figures say nothing about GPUs.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib.util
 import json
 import os
@@ -43,6 +46,8 @@ import time
 
 import apps
 import pingpong
+import psutil
+from processes import LOGS as BENCHMARK_LOGS
 from processes import kill, launch
 
 HERE = os.path.abspath(__file__)
@@ -228,39 +233,61 @@ def plot(results: dict, out: str) -> None:
     fig.savefig(os.path.join(out, "gpu.png"), dpi=100)
 
 
-def measure(protocol: str, quick: bool, repeat: int, limit: float):
-    """The ping-pong's and the workloads' figures on ``protocol``, measured by
-    a child process (``gpu.py measure``), and why they are missing if any are"""
+PARTS = ("pingpong", "apps")
+
+
+def measure(protocol: str, part: str, quick: bool, repeat: int, limit: float):
+    """The figures of ``part`` on ``protocol``, measured by a child process
+    (``gpu.py measure``), and why they are missing if any are"""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "figures.json")
-        argv = [HERE, "measure", protocol, path, "--repeat", str(repeat)]
-        proc = launch(argv + (["--quick"] if quick else []), mpi=False)
+        argv = [HERE, "measure", protocol, part, path, "--repeat", str(repeat)]
+        # A process that aborts prints where each of its threads was
+        with environment(PYTHONFAULTHANDLER="1"):
+            proc = launch(argv + (["--quick"] if quick else []), mpi=False)
         try:
             proc.wait(limit)
             failure = proc.returncode and f"exit status {proc.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"unfinished after {limit:.0f} s"
+            show_stacks(proc)
             proc.terminate()  # it stops its server and cluster
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(30)
         finally:
             kill(proc)
-        figures = {}
+        figures = None
         if os.path.exists(path):
             with open(path) as f:
                 figures = json.load(f)
         return figures, failure or None
 
 
-def measure_here(protocol: str, path: str, quick: bool, repeat: int) -> None:
-    """``gpu.py measure``: write the figures to ``path`` as they come"""
+def show_stacks(proc: subprocess.Popen) -> None:
+    """Print the Python stacks of a measuring process that hung and of the
+    processes it started: itself only prints (SIGUSR1), they abort (SIGABRT;
+    a cluster's print into its logs, if kept)"""
+    print(f"where the processes of {proc.args[1:5]} were:", file=sys.stderr)
+    with contextlib.suppress(psutil.Error):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)  # for it to print before the others' errors
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                if "python" in os.path.basename(child.exe()):
+                    child.send_signal(signal.SIGABRT)
+    time.sleep(1)
+
+
+def measure_here(protocol: str, part: str, path: str, quick: bool, repeat: int):
+    """``gpu.py measure``: write the figures to ``path``"""
     # SIGTERM from the parent unwinds, so that the server and cluster stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    figures = {}
-    figures["pingpong"] = pingpong.run_protocol(protocol, quick, client_script=HERE)
-    with open(path, "w") as f:
-        json.dump(figures, f)
-    figures["apps"] = apps.run_protocol(protocol, WORKERS, quick, repeat, suite(quick))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if part == "pingpong":
+        figures = pingpong.run_protocol(protocol, quick, client_script=HERE)
+    else:
+        figures = apps.run_protocol(protocol, WORKERS, quick, repeat, suite(quick))
     with open(path, "w") as f:
         json.dump(figures, f)
 
@@ -279,8 +306,15 @@ def main() -> None:
     parser.add_argument(
         "--limit",
         type=float,
-        default=120,
-        help="seconds each transport may take, ping-pong and workloads (default 120)",
+        default=100,
+        help="seconds each transport may take for the ping-pong, and again for "
+        "the workloads (default 100)",
+    )
+    parser.add_argument(
+        "--logs",
+        action="store_true",
+        help="keep the output of the workloads' scheduler and workers, in "
+        "logs/ beside gpu.json",
     )
     parser.add_argument(
         "--direct",
@@ -334,20 +368,27 @@ def main() -> None:
         variants.append(
             ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
         )
+    if args.logs:
+        os.environ[BENCHMARK_LOGS] = os.path.join(args.out, "logs")
+        os.makedirs(os.environ[BENCHMARK_LOGS], exist_ok=True)
     for name, protocol, settings in variants:
-        start = time.perf_counter()
-        with environment(**settings):
-            figures, failure = measure(protocol, args.quick, repeat, args.limit)
-        for key, value in figures.items():
-            results[key][name] = value
-        if failure:
-            results.setdefault("failed", {})[name] = failure
-        took = time.perf_counter() - start
-        print(
-            f"{name}: {took:.0f} s{', ' + failure if failure else ''}", file=sys.stderr
-        )
-        with open(os.path.join(args.out, "gpu.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        for part in PARTS:
+            start = time.perf_counter()
+            with environment(**settings):
+                figures, failure = measure(
+                    protocol, part, args.quick, repeat, args.limit
+                )
+            if figures is not None:
+                results[part][name] = figures
+            if failure:
+                results.setdefault("failed", {})[f"{name} {part}"] = failure
+            took = time.perf_counter() - start
+            print(
+                f"{name} {part}: {took:.0f} s{', ' + failure if failure else ''}",
+                file=sys.stderr,
+            )
+            with open(os.path.join(args.out, "gpu.json"), "w") as f:
+                json.dump(results, f, indent=1)
     plot(results, args.out)
     summarize(results)
 
@@ -379,8 +420,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["client"]:
         pingpong.run_client(client)
     elif sys.argv[1:2] == ["measure"]:
-        protocol, path, *rest = sys.argv[2:]
+        protocol, part, path, *rest = sys.argv[2:]
         repeat = int(rest[rest.index("--repeat") + 1])
-        measure_here(protocol, path, "--quick" in rest, repeat)
+        measure_here(protocol, part, path, "--quick" in rest, repeat)
     else:
         main()

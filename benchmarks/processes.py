@@ -15,6 +15,8 @@ import time
 import psutil
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+# A folder for the output of clusters' processes, else dropped
+LOGS = "BENCHMARK_LOGS"
 
 
 def launch(argv: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
@@ -80,10 +82,18 @@ def wait_for_file(path: str, proc: subprocess.Popen | None, timeout: float = 60)
 @contextlib.contextmanager
 def cluster(protocol: str, workers: int, *worker_args: str):
     """A scheduler and ``workers`` single-threaded workers, each a process of
-    its own; yields the scheduler file and the processes"""
+    its own; yields the scheduler file and the processes.  Their output is
+    dropped, or kept in files in the folder that $BENCHMARK_LOGS names"""
     mpi = protocol == "mpi"
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as logs:
+
+        def quiet(name: str) -> dict:
+            if not os.environ.get(LOGS):
+                return {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            path = os.path.join(os.environ[LOGS], f"{protocol}-{name}.log")
+            log = logs.enter_context(open(path, "a"))
+            return {"stdout": log, "stderr": subprocess.STDOUT}
+
         sched_file = os.path.join(tmp, "scheduler.json")
         scheduler = [
             "-m",
@@ -107,9 +117,9 @@ def cluster(protocol: str, workers: int, *worker_args: str):
             "--no-dashboard",
             *worker_args,
         ]
-        jobs = [launch(scheduler, mpi, **quiet)]
+        jobs = [launch(scheduler, mpi, **quiet("scheduler"))]
         try:
-            jobs += [launch(worker, mpi, **quiet) for _ in range(workers)]
+            jobs += [launch(worker, mpi, **quiet(f"worker{i}")) for i in range(workers)]
             wait_for_file(sched_file, jobs[0])
             yield sched_file, jobs
         finally:

@@ -38,8 +38,9 @@ machine has it.  On an H200 (2026-11-26) ``all`` took under three
 minutes: the set-up 20 s, the tests 15-40 s, the full benchmark
 (``GPU_BENCH_ARGS=" "``) 70 s.  On an H100 (2026-11-28) the tests took 80 s
 and mpi:// by IPC 22 s, but ucx:// hung twice: the benchmark gives each
-transport two minutes (``--limit``), records one that did not finish, and goes
-on.  The device tool lends 15 minutes a session, machine starts included:
+transport 100 s for the ping-pong and 100 s for the workloads (``--limit``),
+records a part that did not finish, prints where its processes were (their
+output, the workers' too, is in ``$OUT``), and goes on.  The device tool lends 15 minutes a session, machine starts included:
 one ``all`` call, and a second only if the first is short.
 """
 
@@ -124,7 +125,7 @@ if [ "${1:-test}" != test ]; then
         unset DASK_DISTRIBUTED__COMM__MPI__CUDA_AWARE  # staged, then direct
         direct=(--direct)
     fi
-    (cd benchmarks && timeout 420 python gpu.py "${direct[@]}" ${GPU_BENCH_ARGS:---quick} --out "$OUT") || status=$?
+    (cd benchmarks && timeout 420 python gpu.py "${direct[@]}" ${GPU_BENCH_ARGS:---quick} --logs --out "$OUT") || status=$?
     (cd benchmarks && timeout 90 python gpu_costs.py --out "$OUT") || status=$?
 fi
 exit $status
