@@ -509,6 +509,26 @@ async def test_device_frames_between_gpus_that_cannot_map_each_other_are_staged(
             await comm.close()
 
 
+@gen_test(timeout=60)
+async def test_device_frames_between_gpus_that_see_each_other_go_by_ipc(
+    monkeypatch, tmp_path
+):
+    """Each process sees every GPU of the node, its own first (dask-cuda's
+    CUDA_VISIBLE_DEVICES): the reader copies from the writer's GPU, whose
+    number differs in the two processes"""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # the peer's
+    with serving("lent", monkeypatch, tmp_path) as peer:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # this process's
+        with dask.config.set(peer.config), no_staging():
+            comm = await connect(peer.address)
+            device = mpi_gpu.device()
+            opened = device.opened
+            x = OnDeviceOrHost.random(3 * CHUNK + 5, 1)
+            await exchange(comm, [x], [(CHUNK + 1, 2)])
+            assert device.opened > opened and mapped_of(comm)
+            await comm.close()
+
+
 @gen_test(timeout=90)
 async def test_a_writer_whose_memory_cannot_be_mapped_is_staged_from(
     ipc_peer, monkeypatch
