@@ -11,7 +11,8 @@ on a machine with a GPU.
 - apps: dask arrays of CuPy chunks on a scheduler and four workers sharing the
   GPU, each a process of its own (as ``benchmarks/apps.py``): transpose-sum,
   ``(a @ a.T).sum()``, a rechunk by tasks, and 8 arrays of 256 MiB made on the
-  workers and summed on one.
+  workers and summed on one; where cuDF is installed, a shuffle and a merge of
+  dataframes of cuDF partitions.
 
 The routes of mpi://: "ipc" (the default between processes of one host: the
 reader copies from the writer's GPU memory, and says so on the comm's
@@ -25,8 +26,9 @@ its own, once for the ping-pong and once for the workloads, stopped after
 not finish, and the run's output where each process of those was.  Writes
 ``gpu.json`` and ``gpu.png``.
 
-``--host-arrays`` puts numpy in CuPy's place: a rehearsal of the whole run on
-a machine without a GPU, whose figures say nothing about GPUs.
+``--host-arrays`` puts numpy and pandas in CuPy's and cuDF's place: a
+rehearsal of the whole run on a machine without a GPU, whose figures say
+nothing about GPUs.
 """
 
 from __future__ import annotations
@@ -155,17 +157,64 @@ def gather(arrays: int, mib: int):
     return total([make(i) for i in range(arrays)])
 
 
+def dataframe_module():
+    """cuDF, pandas in a rehearsal (``--host-arrays``), or None"""
+    if os.environ.get(HOST_ARRAYS):
+        import pandas
+
+        return pandas
+    if importlib.util.find_spec("cudf") is None:
+        return None
+    import cudf
+
+    return cudf
+
+
+def frame(rows: int, partitions: int, name: str, seed: int):
+    """A dask dataframe of cuDF partitions: a random key and a column"""
+    import dask.dataframe as dd
+
+    def partition(seed: int):
+        import numpy
+
+        rng = numpy.random.default_rng(seed)
+        part = rows // partitions
+        columns = {"key": rng.integers(0, rows, part), name: rng.random(part)}
+        return dataframe_module().DataFrame(columns)
+
+    return dd.from_map(partition, range(seed, seed + partitions))
+
+
+def shuffle(rows: int, partitions: int):
+    """All-to-all: every partition to every worker (dask-cuda's
+    ``local_cudf_shuffle``)"""
+    return (
+        frame(rows, partitions, "x", 0).shuffle("key", shuffle_method="tasks").x.sum()
+    )
+
+
+def merge(rows: int, partitions: int):
+    """A hash join of two dataframes (dask-cuda's ``local_cudf_merge``)"""
+    left, right = frame(rows, partitions, "x", 0), frame(rows, partitions, "y", 1000)
+    return left.merge(right, on="key", shuffle_method="tasks").x.sum()
+
+
 WORKERS = 4
 
 
 def suite(quick: bool) -> dict:
     n = 8000 if quick else 16000
-    return {
+    workloads = {
         "transpose_sum": (transpose_sum, n, n // 8),
         "dot": (dot, n // 2, n // 8),
         "rechunk": (rechunk, n, 16),
         "gather": (gather, 8, 64 if quick else 256),
     }
+    if dataframe_module() is not None:  # cuDF is installed
+        rows = 4_000_000 if quick else 40_000_000
+        workloads["shuffle"] = (shuffle, rows, 16)
+        workloads["merge"] = (merge, rows, 16)
+    return workloads
 
 
 def cuda_aware() -> tuple[bool, str]:

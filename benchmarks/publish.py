@@ -324,8 +324,8 @@ benchmarks:
 - ``hosts.py``: across simulated hosts with a bandwidth cap (needs root and
   namespaces, and a checkout: it uses the tests' simulated hosts);
 - ``soak.py`` (not part of ``python -m benchmarks``): workers that come and go;
-- ``gpu.py``: device frames and CuPy workloads, on a machine with a GPU
-  (``--host-arrays`` rehearses it without one, with numpy arrays);
+- ``gpu.py``: device frames and CuPy (and cuDF) workloads, on a machine with a GPU
+  (``--host-arrays`` rehearses it without one, on numpy and pandas);
 - ``local_ways.py`` and ``connect_growth.py`` (not part of ``python -m
   benchmarks``; no Dask): the floor of each way a mid-size frame could go
   between processes of one host, and what a process keeps of each MPI job that
