@@ -101,7 +101,8 @@ class Device(Protocol):
 
     def copy(self, dst: int, src: int, size: int, to_device: bool, stream):
         """Start copying ``size`` bytes at ``src`` to ``dst``, from the host to
-        the device or back, on ``stream``: an event, ``done`` once copied"""
+        the device or back, on ``stream``: an event, ``done`` once copied, that
+        ``synchronize()`` waits for"""
 
     def synchronize(self, frames) -> None:
         """Wait for the GPU work that writes ``frames``, or allocated them"""
@@ -126,7 +127,8 @@ class Mapping(Protocol):
     def copy_to(self, dst: int, offset: int, size: int, stream):
         """Start copying ``size`` bytes at ``offset`` of the allocation to
         device memory at ``dst``, on ``stream``: an event, ``done`` once
-        copied (raising OSError if the writer died)"""
+        copied (raising OSError if the writer died), that ``synchronize()``
+        waits for"""
 
     def close(self) -> None:
         """Unmap it"""
@@ -209,9 +211,19 @@ class CuPyDevice:
         # CuPy has no call for the base: the driver's, through ctypes
         address = pointer(frame)
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        find = _libcuda().cuMemGetAddressRange_v2
-        if find(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)):
-            return None
+
+        def find() -> bool:
+            get = _libcuda().cuMemGetAddressRange_v2
+            at = ctypes.c_uint64(address)
+            return not get(ctypes.byref(base), ctypes.byref(size), at)
+
+        # The driver's call needs a context current in this thread, which a
+        # thread that made no call of CUDA's runtime yet has not: the runtime
+        # makes its own current (cudaFree(0))
+        if not find():
+            self._cupy.cuda.runtime.free(0)
+            if not find():
+                return None  # not device memory (or none: zero bytes)
         try:  # fails for stream-ordered pools (cudaMallocAsync)
             handle = self._cupy.cuda.runtime.ipcGetMemHandle(base.value)
         except self._cupy.cuda.runtime.CUDARuntimeError:
@@ -266,6 +278,9 @@ class HostDevice:
     def __init__(self):
         self.copies = 0  # started so far
         self.opened = 0  # IPC handles opened so far
+        # Mappings closed while a copy from them was under way (on a GPU:
+        # undefined)
+        self.closed_under_copies = 0
         self.mapped: dict[tuple[int, int], int] = {}  # size, by (pid, base)
 
     def buffer(self, size: int):
@@ -288,6 +303,8 @@ class HostDevice:
         pass  # nothing runs behind the host's back but copies, awaited each
 
     def export(self, frame):
+        if not frame.nbytes:  # as CUDA: no allocation holds zero bytes
+            return None
         allocation = frame.pool or frame
         base, size = allocation.array.ctypes.data, allocation.nbytes
         handle = _HOST_HANDLE.pack(base, size, allocation.id)
@@ -357,21 +374,25 @@ class _HostMapping:
         self._device, self._writer, self._key = device, writer, key
         self._nbytes = nbytes
         self._closed = False
+        self._pending = 0  # copies started, not yet made
 
     def copy_to(self, dst, offset, size, stream):
         if offset + size > self._nbytes:
             raise ValueError("a copy beyond the allocation")
         self._device.copies += 1
+        self._pending += 1
         read = functools.partial(self._read, self._key[1] + offset, dst, size)
         return _HostCopy(read, polls=self._device.copies % 4)
 
     def _read(self, address: int, dst: int, size: int) -> None:
+        self._pending -= 1
         if self._closed:
             raise RuntimeError("a copy from a mapping closed before it was done")
         self._writer.read(address, dst, size)
 
     def close(self):
         self._closed = True
+        self._device.closed_under_copies += bool(self._pending)
         self._device.mapped.pop(self._key, None)
 
 
@@ -388,10 +409,13 @@ class _HostCopy:
         if self._polls:
             self._polls -= 1
             return False
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
         if self._copy:
             copy, self._copy = self._copy, None
             copy()
-        return True
 
 
 def has_gpu() -> bool:
@@ -448,6 +472,17 @@ async def wait(events: list) -> None:
         while not event.done:
             await asyncio.sleep(0 if polls < 1000 else 1e-4)
             polls += 1
+
+
+def finish(events: list) -> None:
+    """Block until the copies of ``events`` are made, whatever became of
+    what awaited them: the GPU makes them anyway, so neither the mappings
+    they read nor the buffers they write may go before"""
+    for event in events:
+        try:
+            event.synchronize()
+        except Exception:  # a copy that failed is made too
+            pass
 
 
 def path(mine: dict | None, theirs: dict | None) -> str | None:

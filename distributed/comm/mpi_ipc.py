@@ -33,6 +33,8 @@ _GRANULARITY = 2 * 2**20
 def export(frame) -> bytes | None:
     """What a head's extra bytes say of a device frame for its reader to
     copy it; None if its memory cannot be exported (a stream-ordered pool's)"""
+    if not mpi_gpu.nbytes(frame):  # nothing to copy, nor any allocation
+        return _RECORD.pack(0, 0, 0, 0)
     exported = mpi_gpu.device().export(frame)
     if exported is None:
         return None
@@ -57,7 +59,9 @@ class Mappings:
     MAPPINGS = 64
     MAPPED_BYTES = 2**30
     _of: dict[str, Mappings] = {}  # by the writer's process id
-    _lock = threading.Lock()  # comms of several event loops may share them
+    # Comms of several event loops (threads) may share them: their
+    # bookkeeping, and the mappings, change under this lock
+    _lock = threading.RLock()
 
     def __init__(self, process: str, writer):
         self._process = process
@@ -83,51 +87,66 @@ class Mappings:
         return mappings
 
     def release(self) -> None:
-        """A user is done: the last one closes the mappings"""
+        """A user is done: the mappings close once no user is left, nor any
+        copy from them under way"""
         with self._lock:
             self._users -= 1
-            if self._users or self._of.get(self._process) is not self:
-                return
+            self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        # Kept for new users until then: a second object would map the same
+        # allocations again (CUDA: "already mapped")
+        if self._users or self._copying:
+            return
+        if self._of.get(self._process) is self:
             del self._of[self._process]
-        if not self._copying:
-            self.forget()
+        self.forget()
 
     async def copy(self, frames: list[tuple[int, int]], extra) -> list:
         """The device frames of these (size, word) entries of a head, copied
         into buffers of this process's device; CommClosedError if the
-        writer's memory is gone (the mappings are then closed)"""
+        writer's memory is gone"""
         device = mpi_gpu.device()
         received = [device.buffer(size) for size, _ in frames]
         mpi_gpu.synchronize()  # the allocations, before anything writes
         stream = mpi_gpu.copy_stream(device)
-        self._copying += 1
-        used = []
+        copies, used, writer_died = [], [], False
+        with self._lock:
+            self._copying += 1
         try:
-            copies = []
-            for frame, (size, word) in zip(received, frames):
-                n, base, nbytes, offset = _RECORD.unpack_from(extra, word)
-                start = word + _RECORD.size
-                held = nbytes if nbytes - size < _GRANULARITY else 0
-                handle = bytes(extra[start : start + n])
-                mapping = self._map(handle, base, nbytes, held)
-                self._in_use[base] += 1
-                used.append(base)
-                if size:
+            with self._lock:
+                for frame, (size, word) in zip(received, frames):
+                    if not size:
+                        continue
+                    n, base, nbytes, offset = _RECORD.unpack_from(extra, word)
+                    start = word + _RECORD.size
+                    held = nbytes if nbytes - size < _GRANULARITY else 0
+                    handle = bytes(extra[start : start + n])
+                    mapping = self._map(handle, base, nbytes, held)
+                    self._in_use[base] += 1
+                    used.append(base)
                     dst = mpi_gpu.pointer(frame)
                     copies.append(mapping.copy_to(dst, offset, size, stream))
             await mpi_gpu.wait(copies)
-        except OSError as e:
-            self.forget()  # the writer died: its allocations are gone
-            raise CommClosedError(
-                f"cannot copy device frames from the writer: {why(e)}"
-            ) from e
+        except BaseException as e:
+            # Cancelled, say: the GPU copies all the same, so no mapping may
+            # close, nor buffer go, before it is done
+            mpi_gpu.finish(copies)
+            if isinstance(e, OSError):
+                writer_died = True
+                raise CommClosedError(
+                    f"cannot copy device frames from the writer: {why(e)}"
+                ) from e
+            raise
         finally:
-            self._in_use -= collections.Counter(used)
-            self._copying -= 1
-            if not self._users and not self._copying:
-                self.forget()  # released meanwhile
-            else:
-                self._evict()
+            with self._lock:
+                self._in_use -= collections.Counter(used)
+                self._copying -= 1
+                if writer_died:  # its allocations are gone
+                    self.forget()
+                else:
+                    self._evict()
+                self._close_if_unused()  # released meanwhile
         return received
 
     def _map(self, handle: bytes, base: int, size: int, held: int):
@@ -168,6 +187,7 @@ class Mappings:
         mapping.close()
 
     def forget(self) -> None:
-        """Close every mapping"""
-        while self._mapped:
-            self._close(next(iter(self._mapped)))
+        """Close every mapping but those copied from now"""
+        for base in list(self._mapped):
+            if not self._in_use[base]:
+                self._close(base)

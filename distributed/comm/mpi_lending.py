@@ -66,7 +66,10 @@ class Lender:
             if policy.ipc_from(peer):
                 self.mappings = Mappings.of(peer.process, self.writer)
                 note |= Head.IPC
-            stream.write_message([Head(False, 0, 0, [], note=note).pack()])
+            try:
+                stream.write_message([Head(False, 0, 0, [], note=note).pack()])
+            except StreamClosedError:
+                pass  # the peer is gone already: the comm's first read says so
 
     @property
     def lent(self) -> int:

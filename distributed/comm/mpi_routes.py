@@ -162,11 +162,14 @@ class DeviceIPC(Route):
         return None
 
     def describe(self, frames, msg):
-        words = []
+        words, exports = [], {}
         for frame in frames:  # one buffer may be several of a message's frames
+            if id(frame) not in exports:
+                # This message's alone: comms of other event loops may be
+                # picking theirs meanwhile
+                exports[id(frame)] = self._exports.pop(id(frame))
             words.append(len(msg.extra))
-            msg.extra += self._exports[id(frame)]
-        self._exports.clear()
+            msg.extra += exports[id(frame)]
         return words
 
     async def send(self, frames, msg):

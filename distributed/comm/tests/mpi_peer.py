@@ -8,7 +8,8 @@ With ``distributed.comm.mpi.device-backend: host``, it answers
 ``{"op": "device", "x": [...], "make": [(size, seed), ...]}`` with the
 digests of the :class:`OnDevice` items of ``x``, ``x`` itself, and the
 ``OnDevice.random`` frames asked for (keeping them, with ``"keep": True``;
-as pieces of one allocation, with ``"pool": True``):
+as pieces of one allocation, with ``"pool": True``, of the same one for
+every such message, with ``"pool": "shared"``):
 device frames go each way checked, not
 only there and back, where a fault on the way out could undo one on the way
 back.
@@ -148,6 +149,11 @@ def _pool():
     return mpi_gpu.HostBuffer(4 * 2**20)
 
 
+@functools.cache
+def _shared_pool():
+    return _pool()
+
+
 async def handle(comm):
     try:
         while True:
@@ -193,7 +199,9 @@ async def handle(comm):
                 device = mpi_gpu.device()
                 msg = {"opened": device.opened, "mapped": len(device.mapped)}
             elif isinstance(msg, dict) and msg.get("op") == "device":
-                pool = _pool() if msg.get("pool") else None
+                pool = None
+                if msg.get("pool"):
+                    pool = _shared_pool() if msg["pool"] == "shared" else _pool()
                 made = [OnDevice.random(*x, pool) for x in msg["make"]]
                 if msg.get("keep"):
                     _kept.append(made)

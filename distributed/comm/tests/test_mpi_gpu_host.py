@@ -675,6 +675,69 @@ async def test_ipc_mappings_copied_from_stay_open(ipc_peer, monkeypatch):
         await asyncio.gather(*(comm.close() for comm in comms))
 
 
+def copies_held(monkeypatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """The first copy by IPC from now is under way (the first event is set)
+    until the second event is set: a GPU copying"""
+    under_way, go_on = asyncio.Event(), asyncio.Event()
+    wait = mpi_gpu.wait
+
+    async def first_held(events):
+        if not under_way.is_set():
+            under_way.set()
+            await go_on.wait()
+        await wait(events)
+
+    monkeypatch.setattr(mpi_gpu, "wait", first_held)
+    return under_way, go_on
+
+
+@gen_test(timeout=60)
+async def test_a_read_cancelled_mid_copy_waits_for_the_copy(ipc_peer, monkeypatch):
+    """A read cancelled while the GPU copies its frames (a worker closing,
+    say): no mapping may close, nor buffer go, before the copy is done"""
+    monkeypatch.setattr(mpi_channel, "FREE_AFTER", 0.5)
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        device = mpi_gpu.device()
+        closed_under_copies = device.closed_under_copies
+        under_way, _ = copies_held(monkeypatch)
+        await comm.write({"op": "device", "x": [], "make": [(3 * CHUNK, 1)]})
+        read = asyncio.create_task(comm.read())
+        await under_way.wait()
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        comm.abort()
+        await async_poll_for(lambda: not mapped_of(comm), timeout=20)
+        assert device.closed_under_copies == closed_under_copies
+
+
+@gen_test(timeout=60)
+async def test_a_new_comm_shares_the_mappings_of_one_closed_mid_copy(
+    ipc_peer, monkeypatch
+):
+    """A comm closed while the GPU copies frames for it, and a new comm to
+    the same writer, whose frames are in the same allocation: the two
+    comms' reads go through the same mappings, where a second mapping of the
+    allocation would fail (CUDA: "already mapped")"""
+    make = [(3 * CHUNK, 1)]
+    with dask.config.set(ipc_peer.config), no_staging():
+        comm = await connect_over_mpi(ipc_peer.address)
+        under_way, go_on = copies_held(monkeypatch)
+        await comm.write({"op": "device", "x": [], "make": make, "pool": "shared"})
+        read = asyncio.create_task(comm.read())
+        await under_way.wait()
+        comm.abort()
+        again = await connect_over_mpi(ipc_peer.address)
+        await again.write({"op": "device", "x": [], "make": make, "pool": "shared"})
+        check(await again.read(), [], make)
+        go_on.set()
+        with contextlib.suppress(CommClosedError):
+            await read
+        assert again.peer.process not in mpi_ipc.unmappable
+        await again.close()
+
+
 @gen_test(timeout=60)
 async def test_ipc_mappings_close_when_the_peer_goes(ipc_peer, monkeypatch):
     """The peer's frames mapped here, it is killed: once the channel is
