@@ -226,10 +226,12 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(
 ):
     """Between processes of one host device frames are copied from the
     writer's GPU memory (``device-ipc``), not staged or sent through MPI;
-    with it off, they are.  Frames of one pool allocation, and of several"""
+    with it off, they are.  Frames of one pool allocation, of several, and
+    of none (zero bytes)"""
     import cupy
 
     monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__DEVICE_IPC", str(ipc))
+    empty = cupy.empty(0, "u1")  # at address 0, in no allocation
     with dask.config.set({"distributed.comm.mpi.device-ipc": ipc}):
         async with comm_to_a_peer(tmp_path) as comm:
             for _ in range(100 if not ipc else 0):
@@ -240,8 +242,9 @@ async def test_cupy_arrays_by_ipc_or_through_mpi(
                 await asyncio.sleep(0.05)
             pool = cupy.arange(2**24, dtype="u1")  # pieces of one allocation
             for x in [pool[: 2**20], pool[2**20 : 2**22], cupy.ones(2**22, "f8")]:
-                y = (await echoed(comm, [x, x + 1]))["x"]
+                y = (await echoed(comm, [x, x + 1, empty]))["x"]
                 assert bool((y[0] == x).all()) and bool((y[1] == x + 1).all())
+                assert isinstance(y[2], cupy.ndarray) and y[2].shape == (0,)
     if ipc or mpi_gpu.cuda_aware(await mpi_startup.mpi_ready())[0]:
         assert not staged_copies  # received by IPC (or direct): nothing staged
     else:
