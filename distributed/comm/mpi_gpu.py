@@ -535,7 +535,12 @@ class _Stager:
 
     async def copy(self, dst: int, src: int, size: int, to_device: bool) -> None:
         """Copy on the stager's stream; return once it is done"""
-        await wait([self.device.copy(dst, src, size, to_device, self.stream)])
+        copy = self.device.copy(dst, src, size, to_device, self.stream)
+        try:
+            await wait([copy])
+        except BaseException:
+            finish([copy])  # before its slot may go, to be reused by another
+            raise
 
 
 @functools.cache
