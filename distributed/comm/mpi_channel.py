@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import secrets
@@ -99,12 +100,12 @@ class Channel:
         # context of a freed communicator for a new one, which then matches
         # messages left unreceived on the old one: tags start anywhere.
         self._parity = int(accepted)
-        self._next = secrets.randbelow(self._ntags)
+        # One draw each, even for comms of several event loops (threads)
+        self._tags = itertools.count(secrets.randbelow(self._ntags))
 
     def tag(self) -> int:
         """A tag for the frames of one message"""
-        n, self._next = self._next, (self._next + 1) % self._ntags
-        return 2 * n + self._parity
+        return 2 * (next(self._tags) % self._ntags) + self._parity
 
     def greet(self, timeout: float) -> None:
         """Send the peer a greeting and receive its own, as the channel

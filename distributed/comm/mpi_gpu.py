@@ -43,7 +43,8 @@ import itertools
 import math
 import os
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from distributed.comm.mpi_startup import config
@@ -521,17 +522,20 @@ class _Stager:
         self.device = device
         self.stream = device.stream()
         self._free: dict[int, list] = collections.defaultdict(list)  # by size
+        self._lock = threading.Lock()  # comms of several event loops take
 
     def take(self, size: int) -> list:
         """``DEPTH`` pinned buffers (NumPy arrays) of ``size`` bytes"""
-        free = self._free[size]
-        while len(free) < DEPTH:
-            free.append(self.device.pinned(size))
-        slots, self._free[size] = free[:DEPTH], free[DEPTH:]
+        with self._lock:
+            free = self._free[size]
+            slots, self._free[size] = free[:DEPTH], free[DEPTH:]
+        while len(slots) < DEPTH:
+            slots.append(self.device.pinned(size))
         return slots
 
     def give_back(self, slots: list) -> None:
-        self._free[slots[0].nbytes].extend(slots)
+        with self._lock:
+            self._free[slots[0].nbytes].extend(slots)
 
     async def copy(self, dst: int, src: int, size: int, to_device: bool) -> None:
         """Copy on the stager's stream; return once it is done"""
@@ -555,31 +559,35 @@ def copy_stream(device: Device):
 
 
 async def send_staged(
-    frame, chunk_size: int, post: Callable[[object], asyncio.Future]
+    frame,
+    chunk_size: int,
+    post: Callable[[object], asyncio.Future],
+    sent: Callable[[asyncio.Future], Awaitable],
 ) -> list[asyncio.Future]:
     """Send the device ``frame`` through pinned slots: ``post(buffer)`` starts
-    the transfer of one chunk.  Returns the transfers' futures once the last
-    chunk is posted; the slots are reused once the last ones are sent."""
+    the transfer of one chunk, ``sent(future)`` waits for one to be sent.
+    Returns the transfers' futures once the last chunk is posted; the slots
+    are reused once the last ones are sent."""
     chunks = pieces(nbytes(frame), chunk_size)
     if not chunks:
         return []
     stager = _stager(device())
     slots = stager.take(chunk_size)
     source = pointer(frame)
-    sent: list[asyncio.Future] = []
+    posted: list[asyncio.Future] = []
     for i, (offset, size) in enumerate(chunks):
         slot = slots[i % DEPTH]
         if i >= DEPTH:
-            await sent[i - DEPTH]  # the slot is free again
+            await sent(posted[i - DEPTH])  # the slot is free again
         await stager.copy(slot.ctypes.data, source + offset, size, to_device=False)
-        sent.append(post(slot[:size]))
+        posted.append(post(slot[:size]))
 
     def reuse(last: asyncio.Future) -> None:
         if not last.cancelled() and last.exception() is None:
             stager.give_back(slots)  # else MPI may still read them: drop them
 
-    asyncio.gather(*sent[-DEPTH:]).add_done_callback(reuse)
-    return sent
+    asyncio.gather(*posted[-DEPTH:]).add_done_callback(reuse)
+    return posted
 
 
 async def recv_staged(

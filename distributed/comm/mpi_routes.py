@@ -227,7 +227,10 @@ class Staged(Route):
         mpi_gpu.synchronize(frames)  # their producers are done
         for frame in frames:
             await mpi_gpu.send_staged(
-                frame, msg.chunk_size, lambda slot: msg.post([slot])
+                frame,
+                msg.chunk_size,
+                lambda slot: msg.post([slot]),
+                msg.transfers.sent,
             )
 
     async def receive(self, frames, msg):

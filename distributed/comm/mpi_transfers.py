@@ -24,6 +24,9 @@ from distributed.comm.mpi_startup import mpi_stopped
 if TYPE_CHECKING:
     from distributed.comm.mpi_channel import Channel
 
+# Seconds between two looks at the socket while a write waits for a send
+HANG_UP_CHECK = 1.0
+
 
 class Transfers:
     """The MPI transfers of one comm, whose TCP connection is ``sock``"""
@@ -79,6 +82,19 @@ class Transfers:
             return fut
 
         return post
+
+    async def sent(self, fut: asyncio.Future) -> None:
+        """Wait for a send of this comm's, which never completes once the
+        reader is gone: the socket says whether it is, every
+        :data:`HANG_UP_CHECK` seconds"""
+        while not fut.done():
+            await asyncio.wait([fut], timeout=HANG_UP_CHECK)
+            if not fut.done() and hung_up(self._socket):
+                comm = self._comm()
+                if comm is not None:
+                    comm.abort()
+                raise CommClosedError(f"{comm}: the peer closed the connection")
+        await fut
 
     def track(self, fut: asyncio.Future, keep: bool = False) -> None:
         """Abort the comm should a send, or a lease, fail.  ``keep``: a

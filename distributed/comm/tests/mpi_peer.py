@@ -15,8 +15,9 @@ only there and back, where a fault on the way out could undo one on the way
 back.
 
 ``{"op": "write-and-abort", "size": n}`` makes it write n bytes and abort the
-comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm; it exits,
-normally, once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
+comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm (and
+abort it after ``"close-after"`` seconds, if given); it exits, normally,
+once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
 MPI transfers are not complete; ``{"op": "mappings"}`` how many IPC handles
 its device opened, and how many it maps now.  ``{"op": "drop", ...}`` gets no
 answer.
@@ -159,7 +160,11 @@ async def handle(comm):
         while True:
             msg = await comm.read()
             if isinstance(msg, dict) and msg.get("op") == "stop-reading":
-                await asyncio.Event().wait()
+                if "close-after" not in msg:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(msg["close-after"])
+                comm.abort()
+                return
             if isinstance(msg, dict) and msg.get("op") == "drop":
                 continue
             if isinstance(msg, dict) and msg.get("op") == "write-and-abort":

@@ -27,7 +27,14 @@ np = pytest.importorskip("numpy")
 
 import dask
 
-from distributed.comm import CommClosedError, connect, mpi_channel, mpi_gpu, mpi_ipc
+from distributed.comm import (
+    CommClosedError,
+    connect,
+    mpi_channel,
+    mpi_gpu,
+    mpi_ipc,
+    mpi_transfers,
+)
 from distributed.comm.mpi_channel import channels
 from distributed.comm.mpi_progress import ProgressEngine
 from distributed.comm.tests.mpi_peer import OnDevice, OnDeviceOrHost
@@ -298,6 +305,22 @@ async def test_comm_closed_mid_frame_by_the_writer(peer):
             await comm.close()
         assert comm.closed()
         await assert_serves(peer.address)
+
+
+@gen_test(timeout=60)
+async def test_a_staged_write_whose_reader_hung_up_fails(monkeypatch, tmp_path):
+    """The reader stops reading, then closes the comm, before a staged frame
+    is sent: the write, which waits for the frame's first chunks to be sent
+    to reuse their slots, fails instead of waiting for good"""
+    monkeypatch.setattr(mpi_transfers, "HANG_UP_CHECK", 0.1)
+    with serving("staged", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config):
+            comm = await connect_over_mpi(peer.address)
+            await comm.write({"op": "stop-reading", "close-after": 1})
+            x = to_serialize(OnDevice.random(4 * mpi_gpu.DEPTH * CHUNK, 1))
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.write({"op": "echo", "x": x}), 20)
+            assert comm.closed()
 
 
 @gen_test(timeout=60)
