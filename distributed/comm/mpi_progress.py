@@ -247,7 +247,8 @@ class Waited:
             completed = self.MPI.Request.Testsome(entry.requests, statuses)
         except self.MPI.Exception as e:
             del self.entries[fut]
-            fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+            if not fut.done():
+                fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
             return True
         return self._settle(fut, entry, completed, statuses, now)
 
@@ -361,6 +362,7 @@ class ProgressEngine:
         now = self._loop.time()
         entry = _Transfer(requests, keepalive, busy, sender, stall_after, now, sizes)
         self._waited.entries[fut] = entry
+        fut.add_done_callback(self._abandon_if_cancelled)
         if sizes:
             # MPICH with UCX copies a message from this host in the second
             # call into MPI after its receive was posted, at the earliest
@@ -419,6 +421,12 @@ class ProgressEngine:
         entry = self._waited.entries.pop(fut, None)
         if entry is not None:
             self.orphan(entry.requests, entry.keepalive, entry.sender)
+
+    def _abandon_if_cancelled(self, fut: asyncio.Future) -> None:
+        # Cancelled with the task that awaited it (a read, say), which then
+        # cannot abandon it: its requests would be waited for on and on
+        if fut.cancelled():
+            self.abandon(fut)
 
     def pending(self) -> int:
         """How many transfers and abandoned ones are not complete"""

@@ -588,6 +588,34 @@ async def test_abandoned_receive_half_done_is_cancelled_after_its_deadline():
 
 
 @gen_test()
+async def test_a_receive_cancelled_with_its_reader_is_abandoned():
+    """A task that awaits a receive is cancelled (a read, say), which
+    cancels the receive's future: the engine lets it complete in its own
+    time, then cancels it past the connect timeout, as one abandoned"""
+    from distributed.comm.mpi_progress import ProgressEngine
+    from distributed.comm.mpi_startup import mpi_ready
+
+    MPI = await mpi_ready()
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        with dask.config.set({"distributed.comm.timeouts.connect": "100ms"}):
+            engine = ProgressEngine.current()
+        buffer = np.zeros(100, "u1")
+        request = comm.Irecv([buffer, MPI.BYTE], 0, 1)  # sent nothing
+
+        async def read():
+            await engine.receive([request], buffer, None, [100])
+
+        reading = asyncio.create_task(read())
+        await asyncio.sleep(0.01)
+        reading.cancel()
+        await async_poll_for(lambda: engine.pending() == 0, timeout=5)
+        assert not request  # cancelled, not waited for on and on
+    finally:
+        comm.Free()
+
+
+@gen_test()
 async def test_abort_fails_pending_read():
     async with echoing() as comm:
         pending = asyncio.ensure_future(comm.read())
