@@ -54,7 +54,7 @@ from distributed.comm.addressing import (
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
-from distributed.comm.mpi_handshake import Peer
+from distributed.comm.mpi_handshake import Peer, peer_gone
 from distributed.comm.mpi_head import Head
 from distributed.comm.mpi_lending import Lender
 from distributed.comm.mpi_opener import opener
@@ -278,6 +278,9 @@ class MPI(TCP):
             if self.closed():  # meanwhile, by this end
                 raise CommClosedError(f"{self} closed")
         except Stalled:
+            if peer_gone(self.stream):  # it gave the message up, aborting
+                self.abort()
+                raise CommClosedError(f"{self}: the peer closed mid-message")
             self._stalled(channel)
             raise CommClosedError(f"{self}: MPI stopped delivering")
         except CommClosedError:

@@ -15,7 +15,9 @@ only there and back, where a fault on the way out could undo one on the way
 back.
 
 ``{"op": "write-and-abort", "size": n}`` makes it write n bytes and abort the
-comm at once, keeping the bytes in memory.  ``{"op": "stop-reading"}`` makes it read no more from that comm (and
+comm at once, keeping the bytes in memory; ``{"op": "device-and-abort",
+"size": n, "after": s}`` write a device frame of n bytes, and abort the comm s
+seconds later.  ``{"op": "stop-reading"}`` makes it read no more from that comm (and
 abort it after ``"close-after"`` seconds, if given); it exits, normally,
 once FILE.exit exists.  ``{"op": "pending"}`` asks how many of its
 MPI transfers are not complete; ``{"op": "mappings"}`` how many IPC handles
@@ -173,6 +175,15 @@ async def handle(comm):
                 _kept.append(np.ones(msg["size"], "u1"))
                 await comm.write({"x": to_serialize(_kept[-1])})
                 comm.abort()
+                return
+            if isinstance(msg, dict) and msg.get("op") == "device-and-abort":
+                # A device frame of "size" bytes, given up "after" seconds
+                # (staged, a piece at a time: half-way)
+                made = to_serialize([OnDevice.random(msg["size"], 1)])
+                writing = asyncio.ensure_future(comm.write({"made": made}))
+                await asyncio.sleep(msg["after"])
+                comm.abort()
+                await asyncio.gather(writing, return_exceptions=True)
                 return
             if isinstance(msg, dict) and msg.get("op") == "write-and-close":
                 # Nothing but the comm keeps the frame
