@@ -246,9 +246,9 @@ class Waited:
         try:
             completed = self.MPI.Request.Testsome(entry.requests, statuses)
         except self.MPI.Exception as e:
-            del self.entries[fut]
-            if not fut.done():
-                fut.set_exception(CommClosedError(f"MPI transfer failed: {e}"))
+            # Its other requests may still be active: cancelled, and their
+            # buffers kept until MPI lets go
+            self._fail(fut, CommClosedError(f"MPI transfer failed: {e}"))
             return True
         return self._settle(fut, entry, completed, statuses, now)
 
@@ -477,6 +477,8 @@ class ProgressEngine:
                 self._orphans.test(now, self.drop_dead_senders)
         except MPIStopped:
             return  # every transfer failed; MPI keeps the orphans for good
+        if self._handle is not None:
+            return  # woken meanwhile (a transfer abandoned): one poll is due
         if not self._waited and not self._orphans:
             return  # nothing in flight: sleep until something is posted
         if not self._waited:
