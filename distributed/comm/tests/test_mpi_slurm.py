@@ -75,7 +75,12 @@ def client(slurm: SlurmCluster, *args: str, timeout: float = 120) -> dict:
     for line in out.splitlines():
         if line.startswith("REPORT "):
             return json.loads(line[len("REPORT ") :])
-    raise AssertionError(f"no report ({proc.returncode}):\n{out}\n{slurm.logs()}")
+    logs = slurm.logs()
+    if crash := known_mpi_crash(logs):
+        # A worker that MPI stopped was restarted, and the tasks pinned to
+        # it wait for good (see test_jobqueue_worker_job_cancelled_while_data_moves)
+        pytest.xfail(crash)
+    raise AssertionError(f"no report ({proc.returncode}):\n{out}\n{logs}")
 
 
 def check(slurm: SlurmCluster, report: dict, nworkers: int) -> None:
