@@ -40,8 +40,9 @@ minutes: the set-up 20 s, the tests 15-40 s, the full benchmark
 and mpi:// by IPC 22 s, but ucx:// hung twice: the benchmark gives each
 transport 100 s for the ping-pong and 100 s for the workloads (``--limit``),
 records a part that did not finish, prints where its processes were (their
-output, the workers' too, is in ``$OUT``), and goes on.  The device tool lends 15 minutes a session, machine starts included:
-one ``all`` call, and a second only if the first is short.
+output, the workers' too, is in ``$OUT``), and goes on.  The device tool
+lends 15 minutes a session, machine starts included: one ``all`` call, and a
+second only if the first is short.
 """
 
 from __future__ import annotations
