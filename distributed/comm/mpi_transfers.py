@@ -65,11 +65,9 @@ class Transfers:
             if receive and channel.sender is not None and channel.sender.died():
                 comm.abort()  # MPI may start to copy at once
                 raise CommClosedError(f"{comm}: the peer process died")
-            if not receive and hung_up(self._socket):
-                # It reads no more, or died (on another host, nothing else
-                # tells): MPICH's UCX can crash sending to a process that died
-                comm.abort()
-                raise CommClosedError(f"{comm}: the peer closed the connection")
+            if not receive:
+                # MPICH's UCX can crash sending to a process that died
+                self._check_peer(comm)
             requests = [start([c, MPI.BYTE], channel.rank, tag) for c in chunks]
             if receive:
                 sizes = [nbytes(c) for c in chunks]
@@ -89,12 +87,16 @@ class Transfers:
         :data:`HANG_UP_CHECK` seconds"""
         while not fut.done():
             await asyncio.wait([fut], timeout=HANG_UP_CHECK)
-            if not fut.done() and hung_up(self._socket):
-                comm = self._comm()
-                if comm is not None:
-                    comm.abort()
-                raise CommClosedError(f"{comm}: the peer closed the connection")
+            if not fut.done():
+                self._check_peer(self._comm())  # alive: it is writing
         await fut
+
+    def _check_peer(self, comm) -> None:
+        """Abort ``comm`` and raise CommClosedError if its peer hung up: it
+        reads no more, or died (on another host, nothing else tells)"""
+        if hung_up(self._socket):
+            comm.abort()
+            raise CommClosedError(f"{comm}: the peer closed the connection")
 
     def track(self, fut: asyncio.Future, keep: bool = False) -> None:
         """Abort the comm should a send, or a lease, fail.  ``keep``: a
