@@ -226,7 +226,7 @@ class MPI(TCP):
             # holds while it is open, must not keep the comm alive
             return await stream.read_message(socket_buffer)
         except StreamClosedError as e:
-            super().abort()  # the stream is closed: this marks the comm closed
+            self._hung_up()
             convert_stream_closed_error(self, e)
         except BaseException:
             self.abort()  # where the next message starts is unknown
@@ -240,7 +240,7 @@ class MPI(TCP):
         try:
             return stream.write_message(frames)
         except StreamClosedError as e:
-            super().abort()  # the stream is closed: this marks the comm closed
+            self._hung_up()
             convert_stream_closed_error(self, e)
         except BaseException:
             self.abort()
@@ -275,10 +275,11 @@ class MPI(TCP):
                 pending += waits
             for fut in pending:
                 await fut
-            if self.closed():  # meanwhile, by this end
+            if self._transfers.dropped:  # closed meanwhile, by this end
                 raise CommClosedError(f"{self} closed")
         except Stalled:
-            if peer_gone(self.stream):  # it gave the message up, aborting
+            stream = self.stream  # None if a write found the peer gone
+            if stream is None or peer_gone(stream):  # it gave the message up
                 self.abort()
                 raise CommClosedError(f"{self}: the peer closed mid-message")
             self._stalled(channel)
@@ -321,7 +322,7 @@ class MPI(TCP):
             # After the device frames' copies, it checks the lease of all
             copies = [(size, address) for _, size, _, address in host]
             copied += await mpi_copy.receive(lender.writer, copies, head.lease)
-            if self.closed():  # meanwhile, by this end
+            if self._transfers.dropped:  # closed meanwhile, by this end
                 raise CommClosedError(f"{self} closed")
         except BaseException:
             self.abort()  # the stream's position is unknown
@@ -483,6 +484,14 @@ class MPI(TCP):
             self.abort()  # the peer cannot tell what was sent
             raise
         return nbytes + sent
+
+    def _hung_up(self) -> None:
+        """The peer closed the connection: this end is closed, and what it
+        wrote before goes on (the peer may still be reading it), but for
+        frames lent on the socket, which it can read no more"""
+        super().abort()
+        self._transfers.drop()
+        self._lender.close()
 
     def _use(self, channel: Channel) -> None:
         if channel is not self._channel:

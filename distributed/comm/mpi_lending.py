@@ -100,11 +100,9 @@ class Lender:
         up)"""
         if not self._leases:
             return
-        self._returned = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait([self._returned], timeout=timeout)
-        finally:
-            self._returned = None
+        if self._returned is None or self._returned.done():  # else: shared
+            self._returned = asyncio.get_running_loop().create_future()
+        await asyncio.wait([self._returned], timeout=timeout)
 
     def drop(self) -> None:
         """Give every lent frame up: a reader that copies them yet fails"""

@@ -38,6 +38,9 @@ class Transfers:
         self._comm = weakref.ref(comm)
         self._socket = sock  # to see the peer hang up before the comm reads
         self.engine: ProgressEngine | None = None  # once a transfer is posted
+        # Once the comm closed at this end; the peer's close leaves the
+        # messages it wrote before readable, as on tcp://
+        self.dropped = False
         self.posting = asyncio.Lock()  # held while a message's sends are posted
         self._receives: set[asyncio.Future] = set()  # of the read in progress
         # Of writes not complete: whether each is kept past an abort
@@ -57,7 +60,7 @@ class Transfers:
         start = channel.comm.Irecv if receive else channel.comm.Isend
 
         def post(chunks: list) -> asyncio.Future:
-            if comm.closed():
+            if self.dropped:
                 raise CommClosedError(f"{comm} is closed")
             if mpi_stopped():
                 comm.abort()
@@ -117,7 +120,9 @@ class Transfers:
     def drop(self, cancel: bool = False) -> None:
         """Give up the receives in progress; leave sends to the engine, which
         lets the peer read them until the connect timeout, and receives from
-        this host, which it lets complete (cancels both now if ``cancel``)"""
+        this host, which it lets complete (cancels both now if ``cancel``);
+        post no more"""
+        self.dropped = True
         if not (self._receives or self._sends):
             return
         engine, reason = self.engine, f"{self._comm()} closed"

@@ -232,6 +232,31 @@ async def test_a_closing_comm_stops_waiting_when_its_reader_dies(server):
 
 
 @gen_test(timeout=120)
+async def test_two_closes_of_a_comm_with_frames_lent_both_end_when_they_are_copied(
+    server,
+):
+    """Both wait for the reader's copy, not the second alone (the first
+    waited ``LEND_AFTER_CLOSE``)"""
+    comm = await connect(server[0])
+    await comm.write({"op": "sum", "x": np.ones(2_000_000)})  # lent
+    start = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(comm.close(), comm.close()), 30)
+    assert time.monotonic() - start < 5
+    assert not comm.lent
+
+
+@gen_test(timeout=120)
+async def test_a_write_to_a_peer_that_hung_up_lends_nothing(server):
+    """The frames of a write that fails are not kept for a reader"""
+    comm = await connect(server[0])
+    await comm.write({"op": "stop-reading", "close-after": 0})
+    await asyncio.sleep(0.5)
+    with pytest.raises(CommClosedError):
+        await comm.write({"x": np.ones(2_000_000)})
+    assert not comm.lent
+
+
+@gen_test(timeout=120)
 async def test_a_comm_closed_after_a_write_keeps_its_lent_frames_for_the_reader(
     server,
 ):
@@ -245,6 +270,45 @@ async def test_a_comm_closed_after_a_write_keeps_its_lent_frames_for_the_reader(
     assert got["x"].sum() == 8_000_000
     with pytest.raises(CommClosedError):
         await comm.read()
+
+
+@pytest.mark.parametrize("local_copy", [True, False])
+@gen_test(timeout=120)
+async def test_a_message_on_a_channel_written_just_before_close_arrives(
+    channel_for_host_frames, local_copy, tmp_path, monkeypatch
+):
+    """A writer that closes its comm right after writing: the reader, which
+    sees the connection closed before it posts its receives (or copies),
+    still gets the message, then the end, as on tcp://"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__LOCAL_COPY", str(local_copy))
+    path = str(tmp_path / "address")
+    with dask.config.set({"distributed.comm.mpi.local-copy": local_copy}):
+        with mpiexec([*PEER, "serve", path]) as proc:
+            comm, _ = await _connect_with_channel(wait_for_file(path, proc))
+            await comm.write({"op": "write-and-close", "size": 8_000_000})
+            await asyncio.sleep(1)  # the writer has closed meanwhile
+            got = await comm.read()
+            assert got["x"].sum() == 8_000_000
+            with pytest.raises(CommClosedError):
+                await comm.read()
+
+
+@gen_test(timeout=120)
+async def test_a_comm_whose_peer_hung_up_gives_its_sends_up(
+    channel_for_host_frames, server
+):
+    """A comm that Dask leaves alone once the peer hung up (it never closes
+    a comm already closed) keeps the frames of its writes no longer than
+    the connect timeout, as a closed one does"""
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}):
+        comm, _ = await _connect_with_channel(server[0])
+        await comm.write({"op": "stop-reading", "close-after": 0.5})
+        await comm.write({"x": to_serialize(np.ones(8_000_000, "u1"))})
+        assert ProgressEngine.current().pending()
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        assert comm.closed()
+        await async_poll_for(lambda: not ProgressEngine.current().pending(), 10)
 
 
 async def _connect_copying(address):
