@@ -88,6 +88,8 @@ def start_mpi() -> concurrent.futures.Future:
             if not MPI.Is_initialized():
                 _configure_ucx()
             _this.init = concurrent.futures.Future()
+            # Running: not cancelled with a coroutine that waits for it
+            _this.init.set_running_or_notify_cancel()
             threading.Thread(
                 target=_run_init, args=(_this.init,), name="MPI-init"
             ).start()

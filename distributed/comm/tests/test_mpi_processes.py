@@ -832,6 +832,33 @@ def test_ranks_behind_a_wrapper_script_know_they_are_one_job():
     assert worlds[0][0] == worlds[1][0], worlds
 
 
+_SLOW_RANK = """
+import asyncio, os, sys, time
+from distributed.comm import mpi_startup
+if os.environ["PMI_RANK"] == "1":
+    time.sleep(4)  # MPI_Init returns once every rank of the job called it
+mpi_startup.INIT_WARNING_DELAY = 0.5  # then mpi_ready awaits MPI's future
+
+async def main():
+    try:  # rank 0 times out; rank 1, which came late, does not
+        await asyncio.wait_for(mpi_startup.mpi_ready(), 1.5)
+    except asyncio.TimeoutError:
+        pass
+    MPI = await asyncio.wait_for(mpi_startup.mpi_ready(), 30)
+    print("ready", MPI.COMM_WORLD.Get_size())
+
+asyncio.run(main())
+"""
+
+
+def test_a_handshake_that_times_out_while_mpi_starts_leaves_mpi_starting():
+    """A comm's handshake that times out while MPI_Init waits for the other
+    ranks (a connect timeout under mpiexec) must not cancel MPI's start:
+    MPI was then unusable in that process for good"""
+    out = run_mpiexec(["-n", "2", sys.executable, "-c", _SLOW_RANK])
+    assert out.count("ready 2") == 2, out
+
+
 def held_by_mpi() -> tuple:
     """What this process holds for its peers: its channels, and its progress
     engine's transfers"""
