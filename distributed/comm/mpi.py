@@ -105,6 +105,11 @@ async def _handshake(stream, dial: str | None = None) -> _Link | None:
     await mpi_startup.mpi_ready()
     # Open MPI 5 has no large-count calls: keep each message below 2 GiB
     chunk_size = min(parse_bytes(config("chunk-size")), 2**31 - 1)
+    if chunk_size < 1:  # the reader would post no receive, and say nothing
+        raise ValueError(
+            "distributed.comm.mpi.chunk-size must be at least 1 byte, "
+            f"not {config('chunk-size')!r}"
+        )
     mine = {
         **handshake.hello(),
         # The processes this one gave up on use TCP with it, at both ends

@@ -70,6 +70,12 @@ GREETING = 65536
 # Below MPICH's 1024 jobs per process, with some to spare
 MAX_JOBS = 1000
 
+# The processes given up on that a hello names, the latest: a process with
+# many more (workers killed mid-message, over hours) would outgrow the
+# handshake's 64 KiB, and could connect to nobody.  One given up on earlier
+# is not told: it may ask this process for a channel, which it refuses.
+SHARED_UNREACHABLE = 512
+
 
 class Channel:
     """An MPI communicator between this process and one peer process"""
@@ -179,7 +185,7 @@ class Channels:
         self._lock = threading.Lock()
         self._open: dict[str, Channel] = {}  # by peer process
         self._by_id: dict[int, Channel] = {}  # open or about to be freed
-        self._unreachable: set[str] = set()
+        self._unreachable: dict[str, None] = {}  # in the order given up on
         self.jobs = Jobs()
         self._sweeps: weakref.WeakSet = weakref.WeakSet()  # loops that sweep
         self._released_nbytes = 0  # moved by the channels to others released
@@ -280,16 +286,16 @@ class Channels:
         return peer not in self._unreachable
 
     def unreachable(self) -> list[str]:
-        """The processes this one gave up on"""
+        """The processes this one gave up on last, for a hello"""
         with self._lock:
-            return sorted(self._unreachable)
+            return list(self._unreachable)[-SHARED_UNREACHABLE:]
 
     def give_up_on(self, peer: str) -> None:
         """MPI failed with ``peer``, or stopped delivering: never try again,
         which could block this process for ``channel-timeout`` again, or
         lose messages"""
         with self._lock:
-            self._unreachable.add(peer)
+            self._unreachable[peer] = None
         channel = self._open.get(peer)
         if channel is not None:
             self.release(channel, later=False)

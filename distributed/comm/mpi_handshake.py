@@ -4,8 +4,8 @@ Each message is the magic ``DASK-MPI``, a length (u32) and that many bytes of
 JSON.  The connector says hello (who it is, which MPI library, which
 ``mpiexec`` job and rank, whether it has a GPU and a CUDA-aware MPI); the
 listener answers with its own hello, or with why the two cannot talk over MPI.
-A hello that says ``"open"`` asks for an MPI channel instead of a comm (see
-``distributed.comm.mpi_channel``).
+A hello that says ``"open"``, naming the process it is meant for, asks for
+an MPI channel instead of a comm (see ``distributed.comm.mpi_channel``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
 MAGIC = b"DASK-MPI"
-PROTOCOL = 8  # both ends must speak the same
+PROTOCOL = 9  # both ends must speak the same
 MAX_SIZE = 64 * 1024
 
 
@@ -146,7 +146,10 @@ async def exchange(stream, mine: dict, may_open=None) -> Peer:
         raise FatalCommClosedError(problem)
     if listening:
         if peer.open is not None:
-            peer = dataclasses.replace(peer, open=peer.open and may_open(peer))
+            # Not for a process that listened at this address before (a
+            # worker restarted on its port): it would wait in MPI for nobody
+            meant = hello["open"] == mpi_startup.process_id()
+            peer = dataclasses.replace(peer, open=meant and may_open(peer))
         await send(stream, {**mine, "open": bool(peer.open)})
     return peer
 

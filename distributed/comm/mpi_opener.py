@@ -139,7 +139,7 @@ class Opener:
             return
         channel = None
         try:
-            mine = {**handshake.hello(), "open": True}
+            mine = {**handshake.hello(), "open": peer.process}
             reply = await asyncio.wait_for(handshake.exchange(stream, mine), timeout)
             if reply.process == peer.process and reply.open:
                 channel = await self.open(stream, reply)

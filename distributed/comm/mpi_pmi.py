@@ -133,8 +133,10 @@ class _SelfManager:
             "finalize": "cmd=finalize_ack rc=0",
         }
         pending = b""
+        readable = select.poll()  # select() takes no fd from 1024 on
+        readable.register(self.socket, select.POLLIN)
         while not self._stop.is_set():
-            if not select.select([self.socket], [], [], 0.05)[0]:
+            if not readable.poll(50):
                 continue
             data = self.socket.recv(4096)
             if not data:

@@ -90,8 +90,9 @@ def start_mpi() -> concurrent.futures.Future:
             _this.init = concurrent.futures.Future()
             # Running: not cancelled with a coroutine that waits for it
             _this.init.set_running_or_notify_cancel()
+            # A daemon: a rank whose job-mates never start MPI can still exit
             threading.Thread(
-                target=_run_init, args=(_this.init,), name="MPI-init"
+                target=_run_init, args=(_this.init,), name="MPI-init", daemon=True
             ).start()
     return _this.init
 

@@ -26,6 +26,8 @@ answer.
 ``{"op": "cross", "address": A, "size": n}`` makes it connect to the mpi://
 listener at A and write n bytes there, at once; ``{"op": "channel"}`` asks
 for the id of its open channel to the asking process (None: none).
+``{"op": "dial-stale", "address": A}`` makes it dial the listener at A for a
+channel to a process that is not the one listening there (a predecessor).
 
 ``python -m distributed.comm.tests.mpi_peer serve-late FILE`` serves so, but
 reads the port of each channel it connects 2.5 s late (:func:`late_for_ports`).
@@ -73,6 +75,7 @@ it connects, sends, writes FILE.sender, and kills itself once FILE.die exists.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import os
@@ -206,6 +209,11 @@ async def handle(comm):
                 await back.write({"x": to_serialize(np.ones(msg["size"], "u1"))})
                 await back.read()
                 msg = {"crossed": True}
+            elif isinstance(msg, dict) and msg.get("op") == "dial-stale":
+                gone = f"{comm.peer.host}/1/gone"
+                stale = dataclasses.replace(comm.peer, process=gone)
+                await mpi_opener.opener._dial(msg["address"], stale)
+                msg = {"dialled": True}
             elif isinstance(msg, dict) and msg.get("op") == "channel":
                 channel = mpi_channel.channels.get(comm.peer.process)
                 msg = {"channel": channel and channel.id}

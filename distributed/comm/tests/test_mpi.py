@@ -121,6 +121,32 @@ def test_import_does_not_start_mpi():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_process_that_gave_up_on_many_still_connects():
+    """Each process MPI failed with (workers killed mid-message, say) is named
+    in the handshake; past some 900 of them it outgrew 64 KiB, and every
+    connection of the process failed"""
+    code = """if True:
+        import asyncio, uuid
+        from distributed.comm import connect, listen
+        from distributed.comm.mpi_channel import channels
+
+        async def echo(comm):
+            await comm.write(await comm.read())
+
+        async def main():
+            for i in range(3000):
+                channels.give_up_on(f"elsewhere/{i}/{uuid.uuid4().hex}")
+            async with listen("mpi://127.0.0.1:0", echo) as listener:
+                comm = await connect(listener.contact_address, timeout=10)
+                await comm.write("hello")
+                print(await comm.read(), len(channels.unreachable()))
+                await comm.close()
+
+        asyncio.run(main())
+    """
+    assert python_output(code).split() == ["hello", "512"]
+
+
 def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
     """Its children (a job it submits, and theirs) would take them for their
     own process manager's"""
@@ -132,6 +158,19 @@ def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
     out = python_output(code, env)
     assert out.strip() == "[]", out
+
+
+def test_a_process_alone_starts_mpi_with_a_thousand_files_open():
+    """Its own process manager (``mpi_pmi``) answers MPI_Init on a socket
+    whose number may be 1024 or more, which select() refused: MPI_Init
+    then waited for good"""
+    code = (
+        "import os; files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]; "
+        "from distributed.comm import mpi_startup; "
+        "print(mpi_startup.start_mpi().result(timeout=30).COMM_WORLD.Get_size())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
+    assert python_output(code, env).strip() == "1"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="UCX copies from peers on Linux")
@@ -181,6 +220,15 @@ async def test_across_hosts_setting():
     with dask.config.set({"distributed.comm.mpi.across-hosts": "sometimes"}):
         with pytest.raises(ValueError, match="auto, mpi or tcp, not 'sometimes'"):
             mpi_handshake.hello()
+
+
+@pytest.mark.parametrize("size", ["0.5", "-4MiB"])
+@gen_test()
+async def test_a_chunk_size_below_one_byte_fails_the_handshake(size):
+    async with listen("mpi://127.0.0.1:0", echo) as listener:
+        with dask.config.set({"distributed.comm.mpi.chunk-size": size}):
+            with pytest.raises(ValueError, match=f"at least 1 byte, not '{size}'"):
+                await connect(listener.contact_address)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from distributed.comm import (
     mpi_channel,
     mpi_handshake,
     mpi_opener,
+    mpi_policy,
     mpi_startup,
 )
 from distributed.comm.mpi import Head
@@ -309,6 +310,26 @@ async def test_a_comm_whose_peer_hung_up_gives_its_sends_up(
             await comm.read()
         assert comm.closed()
         await async_poll_for(lambda: not ProgressEngine.current().pending(), 10)
+
+
+@gen_test(timeout=120)
+async def test_a_dial_for_a_process_that_listened_there_before_opens_nothing(
+    channel_for_host_frames, server
+):
+    """A worker restarted on its port, dialled for its predecessor: it opened
+    the channel, and waited in MPI for nobody for ``channel-timeout`` (its
+    event loop blocked), then gave up on the dialler"""
+    comm = await connect(server[0])
+    assert mpi_policy.accepts(comm.peer)  # this process would wait in MPI
+    async with listen("mpi://127.0.0.1:0", lambda comm: None) as listener:
+        start = time.monotonic()
+        await comm.write({"op": "dial-stale", "address": listener.contact_address})
+        assert await comm.read() == {"dialled": True}
+        assert time.monotonic() - start < 2
+    assert mpi_channel.channels.reachable(comm.peer.process)
+    await comm.close()
+    comm, _ = await asyncio.wait_for(_connect_with_channel(server[0]), 30)
+    await comm.close()
 
 
 async def _connect_copying(address):
@@ -857,6 +878,23 @@ def test_a_handshake_that_times_out_while_mpi_starts_leaves_mpi_starting():
     MPI was then unusable in that process for good"""
     out = run_mpiexec(["-n", "2", sys.executable, "-c", _SLOW_RANK])
     assert out.count("ready 2") == 2, out
+
+
+def test_a_rank_whose_job_mates_never_start_mpi_can_exit(tmp_path):
+    """Its MPI_Init never returns; the process still ends when its work
+    does (a scheduler whose workers never came, say), not at walltime"""
+    started = tmp_path / "started"
+    code = (
+        "import os, time; from distributed.comm import mpi_startup\n"
+        "if os.environ['PMI_RANK'] == '1': time.sleep(120)\n"
+        f"else: mpi_startup.start_mpi(); open({str(started)!r}, 'w').close()"
+    )
+    with mpiexec(["-n", "2", sys.executable, "-c", code], **OUTPUT) as job:
+        wait_for_file(str(started), job)
+        deadline = time.monotonic() + 20
+        while len(job.ranks()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(job.ranks()) <= 1, "rank 0 did not exit"
 
 
 def held_by_mpi() -> tuple:
