@@ -3,8 +3,9 @@
 MPI starts on first use of an ``mpi://`` address (:func:`start_mpi`), never on
 ``import distributed``: in a helper thread and through ctypes, so that this
 process goes on while ``MPI_Init`` waits (under ``mpiexec`` it returns only once
-every rank of the job has called it). It ends at exit, after the hooks given to
-:func:`before_finalize`, unless MPI_Finalize would crash (see :func:`skip_finalize`).
+every rank of the job has called it). It ends at exit, after Dask's own exit
+hooks and those given to :func:`before_finalize`, unless MPI_Finalize would
+crash (see :func:`skip_finalize`).
 A process whose next call into MPI would abort it calls MPI no more (see
 :func:`stop_mpi`).
 """
@@ -25,6 +26,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import dask
 import psutil
@@ -46,6 +48,7 @@ class _ThisProcess:
         self.before_finalize: list[Callable] = []  # called with mpi4py.MPI at exit
         self.skip_finalize: str | None = None  # why MPI_Finalize must not run
         self.stopped: str | None = None  # why it calls MPI no more: see stop_mpi
+        self.finalize: Any = None  # mpi4py.MPI, to finalize at exit: this started it
         # Open MPI's, left behind: see _open_mpi_session_dirs
         self.session_dirs: set[str] = set()
 
@@ -128,7 +131,7 @@ def _initialize():
         _this.session_dirs.update(_open_mpi_session_dirs(MPI) - before)
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-        atexit.register(_finalize, MPI)
+        _this.finalize = MPI
     _unlink_shared_memory()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
@@ -188,12 +191,17 @@ def _open_mpi_session_dirs(MPI) -> set[str]:
     return set(glob.glob(os.path.join(tmp, f"ompi.*.{os.getuid()}", "jf.*", "*")))
 
 
-def _finalize(MPI) -> None:
-    if MPI.Is_finalized():
+@atexit.register  # at import: after Dask's exit hooks, which close comms
+def _finalize() -> None:
+    MPI = _this.finalize
+    if MPI is None or MPI.Is_finalized():
         return
     for hook in _this.before_finalize:
         if _this.stopped is None:  # a hook may stop it
             hook(MPI)
+    # Event loops still running in other threads (a user's) post and poll
+    # no more: a call into MPI after MPI_Finalize ends the process badly
+    _this.stopped = _this.stopped or "MPI is finalized"
     if _this.skip_finalize is not None:
         logger.debug("Not calling MPI_Finalize: %s", _this.skip_finalize)
         return

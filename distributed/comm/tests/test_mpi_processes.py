@@ -897,6 +897,49 @@ def test_a_rank_whose_job_mates_never_start_mpi_can_exit(tmp_path):
         assert len(job.ranks()) <= 1, "rank 0 did not exit"
 
 
+_EXIT_WITH_SENDS_PENDING = """if True:
+    import atexit, time
+    atexit.register(time.sleep, 0.5)  # the last exit hook: the process ends later
+    import asyncio, sys, threading
+    import numpy as np
+    from distributed.comm import connect
+    from distributed.protocol import to_serialize
+
+    async def main():
+        comm = await connect(sys.argv[1])
+        while comm.channel is None:
+            await comm.write({"op": "echo", "x": np.ones(2_000_000)})
+            await comm.read()
+        await comm.write({"op": "stop-reading"})
+        await comm.write({"x": to_serialize(np.ones(64_000_000, "u1"))})
+        return comm
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    comm = asyncio.run_coroutine_threadsafe(main(), loop).result(60)
+    print("exits", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_loop_in_another_thread_sends(
+    channel_for_host_frames, tmp_path, monkeypatch
+):
+    """A script's event loop in a thread of its own (a user's, or a sync
+    Client's), with sends in flight at exit: it polled MPI after
+    MPI_Finalize, and the process crashed"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__LOCAL_COPY", "False")
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve", path]) as proc:
+        address = wait_for_file(path, proc)
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITH_SENDS_PENDING, address],
+            timeout=120,
+            **OUTPUT,
+        )
+    assert done.returncode == 0, done.stdout
+    assert "exits" in done.stdout
+
+
 def held_by_mpi() -> tuple:
     """What this process holds for its peers: its channels, and its progress
     engine's transfers"""
