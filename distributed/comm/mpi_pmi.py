@@ -26,6 +26,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import uuid
 
@@ -59,13 +60,31 @@ def _has_process_manager() -> bool:
         # an ancestor that started MPI alone (as a client may)
         return True
     if "PMI_FD" in env:  # Hydra's ranks, and srun --mpi=pmi2: a socketpair
-        try:
-            fd = os.dup(int(env["PMI_FD"]))
-        except (OSError, ValueError):
-            return False
-        with socket.socket(fileno=fd) as sock:
-            return sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM
+        return _process_manager_at(env["PMI_FD"])
     return "PMI_PORT" in env
+
+
+def _process_manager_at(fd: str) -> bool:
+    """Whether file descriptor ``fd`` connects to a process manager: a Unix
+    stream socket to another process.  One from an ancestor's variables
+    (under a forkserver, say) may be any file of this process, or one of
+    its own socket pairs (asyncio's self-pipe)"""
+    try:
+        dup = os.dup(int(fd))
+    except (OSError, ValueError):  # closed, or not a number
+        return False
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:  # not a socket
+        os.close(dup)
+        return False
+    with sock:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            return False
+        if not hasattr(socket, "SO_PEERCRED"):  # not Linux
+            return True
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        return int.from_bytes(creds[:4], sys.byteorder) != os.getpid()
 
 
 def initialized() -> None:

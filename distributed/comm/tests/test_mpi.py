@@ -160,6 +160,23 @@ def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
     assert out.strip() == "[]", out
 
 
+@pytest.mark.parametrize("stale", ["pipe", "socketpair"])
+def test_a_process_alone_ignores_a_stale_pmi_fd(stale):
+    """``PMI_FD`` from an ancestor's environment (under a forkserver, say)
+    may name any file of this process: a pipe failed MPI's start, and a
+    socket pair of its own (asyncio's self-pipe) was taken for a process
+    manager, and MPI_Init waited for good"""
+    make = "os.pipe()[0]" if stale == "pipe" else "socket.socketpair()[0].detach()"
+    code = (
+        f"import os, socket; os.environ['PMI_FD'] = str({make}); "
+        "from distributed.comm import mpi_startup; "
+        "print(mpi_startup.start_mpi().result(timeout=30).COMM_WORLD.Get_size())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
+    env.pop("DASK_MPI_PMI_USER", None)
+    assert python_output(code, env).strip() == "1"
+
+
 def test_a_process_alone_starts_mpi_with_a_thousand_files_open():
     """Its own process manager (``mpi_pmi``) answers MPI_Init on a socket
     whose number may be 1024 or more, which select() refused: MPI_Init
