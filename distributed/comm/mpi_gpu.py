@@ -52,7 +52,7 @@ from distributed.comm.mpi_startup import config
 # Serializers of an mpi:// comm between two processes with a GPU
 SERIALIZERS = ("cuda", "dask", "pickle", "error")
 
-DEPTH = 4  # pinned slots per staged frame: chunks in flight at once
+DEPTH = 4  # pinned slots per staged message: chunks in flight at once
 
 
 def is_device(frame) -> bool:
@@ -512,10 +512,10 @@ def pieces(size: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 class _Stager:
-    """A device's pinned host slots and copy stream.  A staged frame takes
-    ``DEPTH`` slots and gives them back once its transfers are done; the pool
-    grows to the most frames ever staged at once, and never makes a frame
-    wait for a slot (so transfers cannot wait on each other through it).
+    """A device's pinned host slots and copy stream.  A staged message takes
+    up to ``DEPTH`` slots and gives them back once its transfers are done;
+    the pool grows to the most messages ever staged at once, and never makes
+    one wait for a slot (so transfers cannot wait on each other through it).
     """
 
     def __init__(self, device: Device):
@@ -524,12 +524,12 @@ class _Stager:
         self._free: dict[int, list] = collections.defaultdict(list)  # by size
         self._lock = threading.Lock()  # comms of several event loops take
 
-    def take(self, size: int) -> list:
-        """``DEPTH`` pinned buffers (NumPy arrays) of ``size`` bytes"""
+    def take(self, size: int, count: int) -> list:
+        """``count`` pinned buffers (NumPy arrays) of ``size`` bytes"""
         with self._lock:
             free = self._free[size]
-            slots, self._free[size] = free[:DEPTH], free[DEPTH:]
-        while len(slots) < DEPTH:
+            slots, self._free[size] = free[:count], free[count:]
+        while len(slots) < count:
             slots.append(self.device.pinned(size))
         return slots
 
@@ -558,58 +558,66 @@ def copy_stream(device: Device):
     return device.stream()
 
 
+def _staged_chunks(frames, chunk_size: int) -> list[tuple[int, int]]:
+    """The (address, size) of each chunk of the device ``frames``, in the
+    order both ends move them"""
+    return [
+        (pointer(frame) + offset, size)
+        for frame in frames
+        for offset, size in pieces(nbytes(frame), chunk_size)
+    ]
+
+
 async def send_staged(
-    frame,
+    frames,
     chunk_size: int,
     post: Callable[[object], asyncio.Future],
     sent: Callable[[asyncio.Future], Awaitable],
-) -> list[asyncio.Future]:
-    """Send the device ``frame`` through pinned slots: ``post(buffer)`` starts
-    the transfer of one chunk, ``sent(future)`` waits for one to be sent.
-    Returns the transfers' futures once the last chunk is posted; the slots
-    are reused once the last ones are sent."""
-    chunks = pieces(nbytes(frame), chunk_size)
+) -> None:
+    """Send the device ``frames`` through pinned slots, one message's frames
+    through one set of them: ``post(buffer)`` starts the transfer of one
+    chunk, ``sent(future)`` waits for one to be sent.  Returns once the last
+    chunk is posted; the slots are reused once the last ones are sent."""
+    chunks = _staged_chunks(frames, chunk_size)
     if not chunks:
-        return []
+        return
     stager = _stager(device())
-    slots = stager.take(chunk_size)
-    source = pointer(frame)
+    slots = stager.take(chunk_size, min(DEPTH, len(chunks)))
     posted: list[asyncio.Future] = []
-    for i, (offset, size) in enumerate(chunks):
-        slot = slots[i % DEPTH]
-        if i >= DEPTH:
-            await sent(posted[i - DEPTH])  # the slot is free again
-        await stager.copy(slot.ctypes.data, source + offset, size, to_device=False)
+    for i, (source, size) in enumerate(chunks):
+        slot = slots[i % len(slots)]
+        if i >= len(slots):
+            await sent(posted[i - len(slots)])  # the slot is free again
+        await stager.copy(slot.ctypes.data, source, size, to_device=False)
         posted.append(post(slot[:size]))
 
     def reuse(last: asyncio.Future) -> None:
         if not last.cancelled() and last.exception() is None:
             stager.give_back(slots)  # else MPI may still read them: drop them
 
-    asyncio.gather(*posted[-DEPTH:]).add_done_callback(reuse)
-    return posted
+    asyncio.gather(*posted[-len(slots) :]).add_done_callback(reuse)
 
 
 async def recv_staged(
-    frame,
+    frames,
     chunk_size: int,
     post: Callable[[object], asyncio.Future],
 ) -> None:
-    """Receive into the device ``frame`` through pinned slots: ``post(buffer)``
-    starts the receive of one chunk"""
-    chunks = pieces(nbytes(frame), chunk_size)
+    """Receive into the device ``frames`` through pinned slots:
+    ``post(buffer)`` starts the receive of one chunk"""
+    chunks = _staged_chunks(frames, chunk_size)
     if not chunks:
         return
     stager = _stager(device())
-    slots = stager.take(chunk_size)
-    target = pointer(frame)
+    slots = stager.take(chunk_size, min(DEPTH, len(chunks)))
+    depth = len(slots)
     posted = collections.deque(
-        post(slots[i][:size]) for i, (_, size) in enumerate(chunks[:DEPTH])
+        post(slot[:size]) for slot, (_, size) in zip(slots, chunks)
     )
-    for i, (offset, size) in enumerate(chunks):
-        slot = slots[i % DEPTH]
+    for i, (target, size) in enumerate(chunks):
+        slot = slots[i % depth]
         await posted.popleft()
-        await stager.copy(target + offset, slot.ctypes.data, size, to_device=True)
-        if i + DEPTH < len(chunks):  # the slot is free again
-            posted.append(post(slot[: chunks[i + DEPTH][1]]))
+        await stager.copy(target, slot.ctypes.data, size, to_device=True)
+        if i + depth < len(chunks):  # the slot is free again
+            posted.append(post(slot[: chunks[i + depth][1]]))
     stager.give_back(slots)

@@ -225,21 +225,16 @@ class Staged(Route):
 
     async def send(self, frames, msg):
         mpi_gpu.synchronize(frames)  # their producers are done
-        for frame in frames:
-            await mpi_gpu.send_staged(
-                frame,
-                msg.chunk_size,
-                lambda slot: msg.post([slot]),
-                msg.transfers.sent,
-            )
+        await mpi_gpu.send_staged(
+            frames, msg.chunk_size, lambda slot: msg.post([slot]), msg.transfers.sent
+        )
 
     async def receive(self, frames, msg):
         received = [mpi_gpu.device_buffer(size) for size, _ in frames]
         mpi_gpu.synchronize()  # the allocations, before anything writes
-        for frame in received:
-            await mpi_gpu.recv_staged(
-                frame, msg.chunk_size, lambda slot: msg.post([slot])
-            )
+        await mpi_gpu.recv_staged(
+            received, msg.chunk_size, lambda slot: msg.post([slot])
+        )
         return received, []
 
 

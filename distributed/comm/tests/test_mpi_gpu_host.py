@@ -308,6 +308,28 @@ async def test_comm_closed_mid_frame_by_the_writer(peer):
 
 
 @gen_test(timeout=60)
+async def test_a_staged_message_pins_one_set_of_slots(monkeypatch, tmp_path):
+    """Its frames share ``DEPTH`` pinned slots, at each end (fewer for fewer
+    chunks): a writer took ``DEPTH`` for each frame, however small, and
+    moved to the next without waiting, so one message of many frames (a
+    cuDF partition's columns) pinned several times its size"""
+    with serving("staged", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config):
+            comm = await connect_over_mpi(peer.address)
+            mpi_gpu._stager.cache_clear()  # an empty pool of slots
+            device, pinned = mpi_gpu.device(), []
+            monkeypatch.setattr(
+                device,
+                "pinned",
+                lambda size, pin=device.pinned: pinned.append(size) or pin(size),
+            )
+            x = [OnDevice.random(CHUNK // 2 + i, i) for i in range(32)]
+            await exchange(comm, x, [(CHUNK // 2, 99)])
+            assert len(pinned) <= mpi_gpu.DEPTH, len(pinned)
+            await comm.close()
+
+
+@gen_test(timeout=60)
 async def test_a_staged_write_whose_reader_hung_up_fails(monkeypatch, tmp_path):
     """The reader stops reading, then closes the comm, before a staged frame
     is sent: the write, which waits for the frame's first chunks to be sent
