@@ -35,7 +35,7 @@ import logging
 import socket
 import struct
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import dask
 from dask.utils import parse_bytes, parse_timedelta
@@ -298,6 +298,9 @@ class MPI(TCP):
         except get_mpi().Exception as e:
             self.abort()
             raise CommClosedError(f"{self}: MPI error while reading: {e}") from e
+        except Exception as e:
+            self.abort()
+            _failed_to_read(self, e)
         except BaseException:
             self.abort()  # cancelled half-way: the stream's position is unknown
             raise
@@ -329,8 +332,11 @@ class MPI(TCP):
             copied += await mpi_copy.receive(lender.writer, copies, head.lease)
             if self._transfers.dropped:  # closed meanwhile, by this end
                 raise CommClosedError(f"{self} closed")
-        except BaseException:
+        except Exception as e:
             self.abort()  # the stream's position is unknown
+            _failed_to_read(self, e)
+        except BaseException:
+            self.abort()
             raise
         nbytes = sum(size for _, size, _, _ in head.frames)
         lender.copied(self.stream, head.tag, nbytes)
@@ -545,6 +551,16 @@ class MPI(TCP):
             channel.comms.discard(self)
             if not channel.comms:
                 channels.release(channel)
+
+
+def _failed_to_read(comm: MPI, e: Exception) -> NoReturn:
+    """Raise what a read that failed with ``e`` raises: CommClosedError, as
+    for a network failure, so that Dask fetches the data again (from this
+    peer or another), where another exception marks the tasks that need it
+    failed; but for what Dask handles itself (no memory for the frames)"""
+    if isinstance(e, (CommClosedError, MemoryError)):
+        raise e
+    raise CommClosedError(f"{comm}: error while reading: {e!r}") from e
 
 
 def _large_frames(frames: list, link: _Link) -> list[int]:

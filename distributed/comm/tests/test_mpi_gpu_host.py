@@ -329,6 +329,33 @@ async def test_a_staged_message_pins_one_set_of_slots(monkeypatch, tmp_path):
             await comm.close()
 
 
+@pytest.mark.parametrize("route", ["staged", "ipc", "lent"])
+@gen_test(timeout=60)
+async def test_a_device_error_while_reading_is_a_closed_comm(
+    route, monkeypatch, tmp_path
+):
+    """A CUDA error while reading device frames (no pinned memory left, a
+    failed copy) fails the read as a network failure does, so that Dask
+    fetches the data again, where another exception marked the tasks that
+    need it failed"""
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+
+    with serving(route, monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config):
+            comm = await connect_over_mpi(peer.address)
+            mpi_gpu._stager.cache_clear()  # no pinned slot to reuse
+            with monkeypatch.context() as patch:
+                patch.setattr(mpi_gpu.device(), "pinned", fail)  # staged
+                patch.setattr(mpi_gpu._HostMapping, "copy_to", fail)  # by IPC
+                await comm.write({"op": "device", "x": [], "make": [(4 * CHUNK, 1)]})
+                with pytest.raises(CommClosedError, match="cudaErrorMemoryAllocation"):
+                    await comm.read()
+            assert comm.closed()
+            await assert_serves(peer.address)
+
+
 @gen_test(timeout=60)
 async def test_a_staged_write_whose_reader_hung_up_fails(monkeypatch, tmp_path):
     """The reader stops reading, then closes the comm, before a staged frame
