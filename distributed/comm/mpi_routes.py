@@ -223,8 +223,14 @@ class Staged(Route):
     def takes(self, frame) -> bool:
         return mpi_gpu.is_device(frame)
 
+    def describe(self, frames, msg):
+        # Their producers are done before the head goes: the reader's
+        # receives, posted as it reads the head, would count a long kernel
+        # as a stall of MPI
+        mpi_gpu.synchronize(frames)
+        return super().describe(frames, msg)
+
     async def send(self, frames, msg):
-        mpi_gpu.synchronize(frames)  # their producers are done
         await mpi_gpu.send_staged(
             frames, msg.chunk_size, lambda slot: msg.post([slot]), msg.transfers.sent
         )

@@ -357,6 +357,31 @@ async def test_a_device_error_while_reading_is_a_closed_comm(
 
 
 @gen_test(timeout=60)
+async def test_a_staged_write_waits_for_its_frames_producers_before_the_head(
+    monkeypatch, tmp_path
+):
+    """A long kernel on the frames' stream, waited for after the head went:
+    the reader's receives saw nothing for ``stall-timeout``, and the two
+    gave MPI up for good"""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT", "1s")
+    with serving("staged", monkeypatch, tmp_path) as peer:
+        with dask.config.set(peer.config):
+            comm = await connect_over_mpi(peer.address)
+            device = mpi_gpu.device()
+            monkeypatch.setattr(
+                device,
+                "synchronize",
+                lambda frames, wait=device.synchronize: (
+                    time.sleep(1.5) if frames else None,
+                    wait(frames),
+                ),
+            )
+            await exchange(comm, [OnDevice.random(4 * CHUNK, 1)], [])
+            assert channels.reachable(comm.peer.process)
+            await comm.close()
+
+
+@gen_test(timeout=60)
 async def test_a_staged_write_whose_reader_hung_up_fails(monkeypatch, tmp_path):
     """The reader stops reading, then closes the comm, before a staged frame
     is sent: the write, which waits for the frame's first chunks to be sent
