@@ -381,6 +381,33 @@ async def test_a_staged_write_waits_for_its_frames_producers_before_the_head(
             await comm.close()
 
 
+class _Frame:
+    """A device frame of these ``shape``, ``typestr`` and ``strides``"""
+
+    def __init__(self, shape, typestr, strides=None):
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "data": (0, False),
+            "version": 3,
+        }
+
+
+def test_the_size_of_a_device_frame():
+    """Every byte of a frame with no gaps; a strided one is refused, where
+    its first bytes in a row went, silently"""
+    assert mpi_gpu.nbytes(_Frame((3, 4), "<f8")) == 96
+    assert mpi_gpu.nbytes(_Frame((3, 4), "<f8", (32, 8))) == 96
+    assert mpi_gpu.nbytes(_Frame((1, 4), "<f8", (0, 8))) == 32
+    assert mpi_gpu.nbytes(_Frame((5,), "<M8[ns]")) == 40
+    assert mpi_gpu.nbytes(_Frame((0,), "|u1")) == 0
+    with pytest.raises(ValueError, match="strided"):
+        mpi_gpu.nbytes(_Frame((3, 4), "<f8", (64, 8)))
+    with pytest.raises(ValueError, match="strided"):
+        mpi_gpu.nbytes(_Frame((4,), "|u1", (2,)))
+
+
 @gen_test(timeout=60)
 async def test_a_staged_write_whose_reader_hung_up_fails(monkeypatch, tmp_path):
     """The reader stops reading, then closes the comm, before a staged frame
