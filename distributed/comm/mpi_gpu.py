@@ -591,11 +591,12 @@ async def send_staged(
         return
     stager = _stager(device())
     slots = stager.take(chunk_size, min(DEPTH, len(chunks)))
+    depth = len(slots)
     posted: list[asyncio.Future] = []
     for i, (source, size) in enumerate(chunks):
-        slot = slots[i % len(slots)]
-        if i >= len(slots):
-            await sent(posted[i - len(slots)])  # the slot is free again
+        slot = slots[i % depth]
+        if i >= depth:
+            await sent(posted[i - depth])  # the slot is free again
         await stager.copy(slot.ctypes.data, source, size, to_device=False)
         posted.append(post(slot[:size]))
 
@@ -603,7 +604,7 @@ async def send_staged(
         if not last.cancelled() and last.exception() is None:
             stager.give_back(slots)  # else MPI may still read them: drop them
 
-    asyncio.gather(*posted[-len(slots) :]).add_done_callback(reuse)
+    asyncio.gather(*posted[-depth:]).add_done_callback(reuse)
 
 
 async def recv_staged(

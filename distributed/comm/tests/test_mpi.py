@@ -106,6 +106,14 @@ def python_output(code: str, env: dict | None = None) -> str:
     ).stdout
 
 
+def env_alone() -> dict:
+    """This process's environment without the variables of its process
+    manager (its own, once it started MPI): a child's MPI starts alone"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
+    env.pop("DASK_MPI_PMI_USER", None)
+    return env
+
+
 def test_registered():
     assert "mpi" in backends
     backend = backends["mpi"]
@@ -155,8 +163,7 @@ def test_a_process_that_started_mpi_alone_leaves_no_pmi_variables():
         "mpi_startup.start_mpi().result(); "
         "print(sorted(k for k in os.environ if k.startswith('PMI')))"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
-    out = python_output(code, env)
+    out = python_output(code, env_alone())
     assert out.strip() == "[]", out
 
 
@@ -172,9 +179,7 @@ def test_a_process_alone_ignores_a_stale_pmi_fd(stale):
         "from distributed.comm import mpi_startup; "
         "print(mpi_startup.start_mpi().result(timeout=30).COMM_WORLD.Get_size())"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
-    env.pop("DASK_MPI_PMI_USER", None)
-    assert python_output(code, env).strip() == "1"
+    assert python_output(code, env_alone()).strip() == "1"
 
 
 def test_a_process_alone_starts_mpi_with_a_thousand_files_open():
@@ -186,8 +191,7 @@ def test_a_process_alone_starts_mpi_with_a_thousand_files_open():
         "from distributed.comm import mpi_startup; "
         "print(mpi_startup.start_mpi().result(timeout=30).COMM_WORLD.Get_size())"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "MPI_"))}
-    assert python_output(code, env).strip() == "1"
+    assert python_output(code, env_alone()).strip() == "1"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="UCX copies from peers on Linux")

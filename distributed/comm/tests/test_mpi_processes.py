@@ -263,35 +263,31 @@ async def test_a_comm_closed_after_a_write_keeps_its_lent_frames_for_the_reader(
 ):
     """A writer that closes its comm right after writing keeps the frames it
     lent until the reader, reading late, has copied them"""
-    address, _ = server
-    comm = await connect(address)
+    await _read_a_message_written_before_close(await connect(server[0]))
+
+
+@gen_test(timeout=120)
+async def test_a_message_on_a_channel_written_just_before_close_arrives(
+    channel_for_host_frames, server_copying_or_not
+):
+    """A writer that closes its comm right after writing: the reader, which
+    sees the connection closed before it posts its receives (or copies),
+    still gets the message, then the end, as on tcp://"""
+    address, local_copy = server_copying_or_not
+    with dask.config.set({"distributed.comm.mpi.local-copy": local_copy}):
+        comm, _ = await _connect_with_channel(address)
+        await _read_a_message_written_before_close(comm)
+
+
+async def _read_a_message_written_before_close(comm):
+    """Have the peer write a message and close ``comm`` at once; read it
+    late, then the end"""
     await comm.write({"op": "write-and-close", "size": 8_000_000})
     await asyncio.sleep(1)  # the writer is closing meanwhile
     got = await comm.read()
     assert got["x"].sum() == 8_000_000
     with pytest.raises(CommClosedError):
         await comm.read()
-
-
-@pytest.mark.parametrize("local_copy", [True, False])
-@gen_test(timeout=120)
-async def test_a_message_on_a_channel_written_just_before_close_arrives(
-    channel_for_host_frames, local_copy, tmp_path, monkeypatch
-):
-    """A writer that closes its comm right after writing: the reader, which
-    sees the connection closed before it posts its receives (or copies),
-    still gets the message, then the end, as on tcp://"""
-    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__MPI__LOCAL_COPY", str(local_copy))
-    path = str(tmp_path / "address")
-    with dask.config.set({"distributed.comm.mpi.local-copy": local_copy}):
-        with mpiexec([*PEER, "serve", path]) as proc:
-            comm, _ = await _connect_with_channel(wait_for_file(path, proc))
-            await comm.write({"op": "write-and-close", "size": 8_000_000})
-            await asyncio.sleep(1)  # the writer has closed meanwhile
-            got = await comm.read()
-            assert got["x"].sum() == 8_000_000
-            with pytest.raises(CommClosedError):
-                await comm.read()
 
 
 @gen_test(timeout=120)
