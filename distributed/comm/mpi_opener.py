@@ -22,6 +22,9 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
   reading the port, and only if the acceptor is still there.  MPICH with UCX
   crashes in a connect to a process that is gone;
 - every port has a tag of its own (see :meth:`Opener.open_port`);
+- ``MPI_Comm_create_group`` has no timeout: a rank whose peer died before
+  joining waits for good (under ``mpiexec`` the job ends with the dead rank),
+  and a watchdog says so;
 - after a channel failed to open, or stopped delivering, the two processes
   use TCP only (``Channels.give_up_on``).
 """
@@ -29,6 +32,7 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -73,8 +77,9 @@ _CONNECTED_ACROSS_HOSTS = (
 )
 # MPICH 5.0.2 with UCX once spun for good in an MPI_Comm_connect to another
 # host, its timeout long past (in ucp_request_release, on a spin lock): an
-# accept or connect that has not returned this many seconds after its timeout
-# is reported, and a process alone in its job exits (see _stuck_in_mpi)
+# accept, connect or join that has not returned this many seconds after
+# channel-timeout is reported, and a process alone in its job exits (see
+# _stuck_in_mpi)
 MEET_GRACE = 30
 
 # MPICH 5.0 with UCX leaves the receive of an accept or connect that failed
@@ -85,6 +90,15 @@ MEET_FAILED = "an MPI_Comm_accept or MPI_Comm_connect of this process failed"
 
 class _AcceptorGaveUp(CommClosedError):
     """The acceptor's accept timed out before this process read the port"""
+
+
+class _AcceptorFailed(CommClosedError):
+    """MPI failed at the acceptor before its accept (``MPI_Open_port``): its
+    ``answer`` came instead of a port"""
+
+    def __init__(self, answer: dict):
+        super().__init__("MPI failed at the other end")
+        self.answer = answer
 
 
 class Opener:
@@ -173,6 +187,8 @@ class Opener:
                     raise
             else:
                 msg = await handshake.recv(stream)
+                if "port" not in msg:
+                    raise _AcceptorFailed(msg)
                 port, id = msg["port"], msg["id"]
                 acceptor = LocalPeer.find(peer)
                 if handshake.peer_gone(stream) or (acceptor and acceptor.died()):
@@ -187,7 +203,7 @@ class Opener:
             # MPI progresses every receive while it blocks here
             ProgressEngine.current().drop_dead_senders()
             if same_world:
-                comm, rank = _join(peer.world[1], process_id() if accepts else process)
+                comm, rank = _join(peer.world[1], id, timeout)
             else:
                 if not accepts and acceptor is None:
                     skip_finalize(_CONNECTED_ACROSS_HOSTS)
@@ -197,7 +213,9 @@ class Opener:
             self.channels.add(channel)  # before any message head can name it
             channel.greet(timeout)
         except (MPI.Exception, CommClosedError) as e:
-            if channel is None and not isinstance(e, (MPI.Exception, _AcceptorGaveUp)):
+            if channel is None and not isinstance(
+                e, (MPI.Exception, _AcceptorGaveUp, _AcceptorFailed)
+            ):
                 raise  # before MPI: the peer went away
             error = e
         try:
@@ -210,7 +228,10 @@ class Opener:
                     "ipc": policy.ipc_from(peer),
                 },
             )
-            reply = await handshake.recv(stream)
+            if isinstance(error, _AcceptorFailed):
+                reply = error.answer  # it had no port to send
+            else:
+                reply = await handshake.recv(stream)
         except BaseException:
             if channel is not None:
                 self.channels.free(channel)
@@ -241,20 +262,15 @@ class Opener:
         timeout = max(1, round(timeout))
         info.Set("timeout", str(timeout))
         call = "MPI_Comm_accept" if accepts else "MPI_Comm_connect"
-        watchdog = threading.Timer(
-            timeout + MEET_GRACE, _stuck_in_mpi, [call, timeout + MEET_GRACE]
-        )
-        watchdog.daemon = True
-        watchdog.start()
         try:
-            if accepts:
-                return MPI.COMM_SELF.Accept(port, info)
-            return MPI.COMM_SELF.Connect(port, info)
+            with _watchdog(call, timeout + MEET_GRACE):
+                if accepts:
+                    return MPI.COMM_SELF.Accept(port, info)
+                return MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception:
             skip_finalize(MEET_FAILED)
             raise
         finally:
-            watchdog.cancel()
             info.Free()
             if accepts:
                 self.close_port(port)
@@ -280,19 +296,34 @@ class Opener:
         get_mpi().Close_port(port)
 
 
-def _join(peer_rank: int, acceptor: str):
+def _join(peer_rank: int, id: int, timeout: float):
     """A communicator of this rank and another of its own mpiexec job, made
-    by both of them alone; the peer's rank in it"""
+    by both of them alone; the peer's rank in it.  ``id``: the channel's,
+    which both ends know"""
     everyone = get_mpi().COMM_WORLD
     ranks = sorted([everyone.rank, peer_rank])
     group = everyone.group.Incl(ranks)
     try:
-        # Both ends derive the same tag, distinct for concurrent calls
-        tag = int.from_bytes(acceptor.encode()[-2:], "big") % 32768
-        comm = everyone.Create_group(group, tag)
+        # Concurrent calls of one process (on two event loops) need distinct
+        # tags; MPI guarantees tags up to 32767
+        with _watchdog("MPI_Comm_create_group", timeout + MEET_GRACE):
+            comm = everyone.Create_group(group, id % 32768)
     finally:
         group.Free()
     return comm, ranks.index(peer_rank)
+
+
+@contextlib.contextmanager
+def _watchdog(call: str, seconds: float):
+    """Report ``call`` if it blocks for longer than ``seconds``: it has no
+    timeout of its own, or outlived it (see :func:`_stuck_in_mpi`)"""
+    watchdog = threading.Timer(seconds, _stuck_in_mpi, [call, seconds])
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
 
 
 def _stuck_in_mpi(call: str, seconds: float) -> None:
@@ -303,8 +334,9 @@ def _stuck_in_mpi(call: str, seconds: float) -> None:
     when its heartbeats stop."""
     alone = world() is None
     logger.critical(
-        "%s has not returned after %.0f s, past its timeout: MPI is stuck "
-        "(MPICH with UCX can spin for good in a connect to another host). %s",
+        "%s has not returned after %.0f s: MPI is stuck (MPICH with UCX can "
+        "spin for good in a connect to another host; a rank of this job can "
+        "die before it joins a channel). %s",
         call,
         seconds,
         "This process exits." if alone else "This process cannot go on.",

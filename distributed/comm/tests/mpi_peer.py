@@ -278,6 +278,37 @@ async def serve_late(path):
     await serve(path)
 
 
+def without_ports() -> None:
+    """MPI_Open_port fails in this process, as in an MPI without ports"""
+
+    def open_port(self):
+        MPI = mpi_startup.get_mpi()
+        raise MPI.Exception(MPI.ERR_PORT)
+
+    mpi_opener.Opener.open_port = open_port
+
+
+async def serve_without_ports(path):
+    without_ports()
+    await serve(path)
+
+
+async def ping_without_ports(address):
+    without_ports()
+    await ping(address)
+
+
+async def stuck_join():
+    """Rank 0 joins a channel with rank 1, which never joins, the watchdog
+    of stuck MPI calls set to go off 0.5 s into the join"""
+    MPI = await mpi_startup.mpi_ready()
+    if MPI.COMM_WORLD.rank == 0:
+        mpi_opener.MEET_GRACE = -4.5
+        mpi_opener._join(1, 7, timeout=5)
+        print("join returned", flush=True)
+    await asyncio.Event().wait()  # until killed
+
+
 async def flood(address, path):
     comm = await connect(address)
     array = np.arange(600_000)
@@ -322,6 +353,8 @@ async def ping(address):
         await asyncio.sleep(0.05)
     if comm.channel is not None:
         print("over MPI", flush=True)
+    elif not mpi_channel.channels.reachable(comm.peer.process):
+        print("gave MPI up", flush=True)
     await comm.close()
     print("ping ok", flush=True)
 
@@ -429,6 +462,9 @@ def write(path, text):
 COMMANDS = {
     "serve": serve,
     "serve-late": serve_late,
+    "serve-without-ports": serve_without_ports,
+    "ping-without-ports": ping_without_ports,
+    "stuck-join": stuck_join,
     "ping": ping,
     "flood": flood,
     "ask-device": ask_device,

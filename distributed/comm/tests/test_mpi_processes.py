@@ -696,6 +696,42 @@ def test_comms_go_over_tcp_when_mpi_cannot_connect_two_processes(
     assert "UCX" not in out, out
 
 
+def test_a_process_that_cannot_open_mpi_ports_gives_mpi_up_with_its_peers(
+    channel_for_host_frames, tmp_path
+):
+    """MPI_Open_port fails at the end that accepts (neither end has ports):
+    both ends say so once and move their data over TCP, not asking for a
+    channel again"""
+    path = str(tmp_path / "address")
+    with mpiexec([*PEER, "serve-without-ports", path], **OUTPUT) as server:
+        address = wait_for_file(path, server)
+        out = run_mpiexec([*PEER, "ping-without-ports", address])
+        assert "ping ok" in out, out
+        assert "gave MPI up" in out, out
+        assert out.count("over TCP from now on") == 1, out
+        server.stop()
+        out = server.stdout.read()
+    assert out.count("over TCP from now on") == 1, out
+
+
+@pytest.mark.timeout(60)
+def test_a_join_whose_peer_never_joins_is_reported():
+    """MPI_Comm_create_group, which makes the channel of two ranks of one
+    job, has no timeout: a watchdog reports one whose peer never joins (a
+    rank that died before it joined, where the job goes on)"""
+    with mpiexec([*PEER[:1], "2", *PEER[2:], "stuck-join"], **OUTPUT) as job:
+        out = ""
+        for line in job.stdout:  # the process stays in MPI for good
+            out += line
+            if "go on" in line:
+                break
+        job.stop()
+        out += job.stdout.read()
+    assert "MPI_Comm_create_group has not returned" in out, out
+    assert "This process cannot go on" in out, out
+    assert "join returned" not in out, out
+
+
 @gen_test(timeout=60)
 async def test_a_connector_that_reads_the_port_after_the_accept_timed_out_stays_out_of_mpi(
     channel_for_host_frames, tmp_path, monkeypatch, capsys
