@@ -166,8 +166,11 @@ class DeviceIPC(Route):
         for frame in frames:  # one buffer may be several of a message's frames
             if id(frame) not in exports:
                 # This message's alone: comms of other event loops may be
-                # picking theirs meanwhile
-                exports[id(frame)] = self._exports.pop(id(frame))
+                # picking theirs meanwhile, the same buffer too, and have
+                # taken its export already
+                exports[id(frame)] = self._exports.pop(
+                    id(frame), None
+                ) or mpi_ipc.export(frame)
             words.append(len(msg.extra))
             msg.extra += exports[id(frame)]
         return words
