@@ -125,9 +125,9 @@ class Device(Protocol):
         """Map an allocation of the process ``writer`` (a ``LocalPeer``) by
         its IPC handle"""
 
-    def visible(self) -> list[str]:
-        """The devices this process sees, by PCI bus id, its own first: a
-        process maps allocations of the devices it sees only"""
+    def mappable(self) -> list[str]:
+        """The devices whose allocations this process may map, by PCI bus
+        id: its own first, then those it sees and can access as a peer"""
 
 
 class Mapping(Protocol):
@@ -243,15 +243,20 @@ class CuPyDevice:
         return _CuPyMapping(self._cupy, handle)
 
     @functools.cache
-    def visible(self):
+    def mappable(self):
         runtime = self._cupy.cuda.runtime
-        devices = range(runtime.getDeviceCount())
-        try:
-            ids = [runtime.deviceGetPCIBusId(i) for i in devices]
-        except Exception:  # their numbers, then: a mapping that fails tells
-            ids = [str(i) for i in devices]
         own = runtime.getDevice()
-        return [ids[own], *ids[:own], *ids[own + 1 :]]
+        # An IPC handle of another GPU's memory opens only with peer access
+        # (NVLink, or PCIe where the platform allows it)
+        devices = [own] + [
+            i
+            for i in range(runtime.getDeviceCount())
+            if i != own and runtime.deviceCanAccessPeer(own, i)
+        ]
+        try:
+            return [runtime.deviceGetPCIBusId(i) for i in devices]
+        except Exception:  # their numbers, then: a mapping that fails tells
+            return [str(i) for i in devices]
 
 
 @functools.cache
@@ -331,7 +336,7 @@ class HostDevice:
         self.mapped[key] = nbytes
         return _HostMapping(self, writer, key, nbytes)
 
-    def visible(self):
+    def mappable(self):
         """As a process that CUDA_VISIBLE_DEVICES restricts, where it is set"""
         return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
 
@@ -468,7 +473,7 @@ def hello(MPI) -> dict | None:
     return {
         "cuda_aware": cuda_aware(MPI)[0],
         "ipc": bool(config("device-ipc")),
-        "devices": device().visible(),
+        "devices": device().mappable(),
     }
 
 

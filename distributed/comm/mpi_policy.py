@@ -170,8 +170,9 @@ def ipc_from(peer: Peer) -> bool:
     """Whether this process will copy the device frames that ``peer`` writes
     to it from the peer's GPU memory (``device-ipc``, CUDA IPC): both have a
     GPU and say they may, on this host and in one PID namespace (legacy IPC
-    handles do not cross them), this process sees the peer's GPU (not where
-    each sees its own alone: Slurm's ``--gpus-per-task``), and mapping the
+    handles do not cross them), this process may map the peer's GPU's memory
+    (its own, or one it sees and can access as a peer; not where each sees
+    its own alone: Slurm's ``--gpus-per-task``), and mapping the
     peer's memory did not fail before (MIG, containers).  The host backend
     copies with ``process_vm_readv``: the kernel must let it read the peer's
     memory."""

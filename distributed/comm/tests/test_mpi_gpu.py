@@ -107,6 +107,25 @@ def test_probe_says_what_mpi_will_do():
         assert "as host frames" in rows["GPU frames"]
 
 
+@gpu
+def test_a_process_may_map_its_own_gpu_and_its_peers():
+    """What a hello says this process may map: its GPU first, by PCI bus id,
+    then the others that it can access as a peer (an IPC handle of another
+    GPU's memory opens only then)"""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    own = runtime.getDevice()
+    devices = mpi_gpu.CuPyDevice().mappable()
+    assert devices[0] == runtime.deviceGetPCIBusId(own)
+    peers = [
+        runtime.deviceGetPCIBusId(i)
+        for i in range(runtime.getDeviceCount())
+        if i != own and runtime.deviceCanAccessPeer(own, i)
+    ]
+    assert devices[1:] == peers
+
+
 @gen_test()
 async def test_device_slices_reach_mpi_as_pointers():
     """A chunk of a device frame goes to MPI as a pointer and size; here the
