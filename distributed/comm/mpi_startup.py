@@ -79,7 +79,8 @@ def start_mpi() -> concurrent.futures.Future:
             except ImportError as e:
                 raise ImportError(
                     "The mpi:// transport needs mpi4py and an MPI library: "
-                    "pip install mpi4py mpich (or `pip install distributed[mpi]`)"
+                    "pip install mpi4py mpich (or, in this package's checkout, "
+                    "`pip install .[mpi]`)"
                 ) from e
             if "mpi4py.MPI" not in sys.modules:
                 mpi4py.rc.initialize = False  # _initialize does it
