@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from distributed.comm import mpi_gpu, mpi_startup
+from distributed.comm import mpi_gpu, mpi_policy, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, beacon
 
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
@@ -79,6 +79,23 @@ def _copies() -> str:
     )
 
 
+def _across_hosts() -> str:
+    """Whether frames to processes on other hosts will travel over MPI"""
+    setting = mpi_policy.across_hosts()
+    if setting == "mpi":
+        return "over MPI (across-hosts: mpi)"
+    if setting == "auto" and mpi_policy.rdma():
+        return (
+            "over MPI to hosts with an RDMA port up too (this one has one), "
+            "else over TCP"
+        )
+    why = "across-hosts: tcp" if setting == "tcp" else "no RDMA port up here"
+    return (
+        f"over TCP, GPU frames as host frames ({why}; on a fabric with no "
+        "device in /sys/class/infiniband, set across-hosts: mpi)"
+    )
+
+
 def main() -> None:
     """Print what mpi:// will do with GPU data in this process"""
     MPI = mpi_startup.start_mpi().result()
@@ -96,8 +113,8 @@ def main() -> None:
     if mpi_gpu.has_gpu():
         if mpi_startup.config("device-ipc"):
             frames = (
-                "on this host, copied by CUDA IPC between processes that see "
-                f"each other's GPU; else, {frames}"
+                "on this host, copied by CUDA IPC between processes that may "
+                f"map each other's GPU; else, {frames}"
             )
         frames += "; as host frames to peers without a GPU"
     rows = [
@@ -109,6 +126,7 @@ def main() -> None:
         ("CUDA-aware MPI", f"{'yes' if aware else 'no'}: {why}"),
         ("GPU frames", frames),
         ("Copies on this host", _copies()),
+        ("Frames across hosts", _across_hosts()),
     ]
     for name, value in rows:
         print(f"{name + ':':20} {value}")

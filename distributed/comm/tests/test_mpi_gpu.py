@@ -98,6 +98,7 @@ def test_probe_says_what_mpi_will_do():
         "CUDA-aware MPI",
         "GPU frames",
         "Copies on this host",
+        "Frames across hosts",
     }
     assert rows["MPI library"].strip().startswith(mpi_startup.library())
     assert rows["Copies on this host"].strip().startswith(("yes", "no"))
@@ -105,6 +106,10 @@ def test_probe_says_what_mpi_will_do():
     assert rows["Copies on this host"].strip().startswith("no (local-copy: false)")
     if not mpi_gpu.has_gpu():
         assert "as host frames" in rows["GPU frames"]
+    rows = probe(DASK_DISTRIBUTED__COMM__MPI__ACROSS_HOSTS="tcp")
+    assert rows["Frames across hosts"].strip().startswith("over TCP")
+    rows = probe(DASK_DISTRIBUTED__COMM__MPI__ACROSS_HOSTS="mpi")
+    assert rows["Frames across hosts"].strip().startswith("over MPI")
 
 
 @gpu
