@@ -99,37 +99,62 @@ def cpu_seconds(client: Client) -> float:
 
 
 def run_protocol(
-    protocol: str, workers: int, quick: bool, repeat: int, suite: dict | None = None
+    protocol: str,
+    workers: int,
+    quick: bool,
+    repeat: int,
+    suite: dict | None = None,
+    warm_up: bool = False,
+    timeout: float | None = None,
+    done=None,
 ) -> dict:
-    """Median figures of each of ``suite`` (default: :func:`benchmarks`)"""
+    """Median figures of each of ``suite`` (default: :func:`benchmarks`).  A
+    workload that fails, or takes over ``timeout`` seconds, is recorded as
+    ``{"error": ...}`` and the next one runs; ``done(results)`` is called
+    after each workload"""
     results = {}
     with cluster(protocol, workers, "--memory-limit", "0") as (sched_file, _):
         with Client(scheduler_file=sched_file, timeout=60) as client:
             client.wait_for_workers(workers, timeout=60)
             for name, (make, *args) in (suite or benchmarks(quick)).items():
-                times, moved, count, cpu = [], [], [], []
-                for _ in range(repeat):
-                    graph = make(*args)
-                    before, cpu_before = transferred(client), cpu_seconds(client)
-                    start = time.perf_counter()
-                    client.compute(graph).result()
-                    times.append(time.perf_counter() - start)
-                    cpu.append(cpu_seconds(client) - cpu_before)
-                    after = transferred(client)
-                    moved.append(after[0] - before[0])
-                    count.append(after[1] - before[1])
-                    client.cancel(graph)
-                wall = statistics.median(times)
-                nbytes = statistics.median(moved)
-                results[name] = {
-                    "wall_time": wall,
-                    "times": times,
-                    "cpu_seconds": statistics.median(cpu),
-                    "transfers": statistics.median(count),
-                    "bytes_moved": nbytes,
-                    "throughput": nbytes / wall,
-                }
+                try:
+                    results[name] = measure(
+                        client, make, args, repeat, warm_up, timeout
+                    )
+                except Exception as e:
+                    results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                if done:
+                    done(results)
     return results
+
+
+def measure(client: Client, make, args, repeat: int, warm_up: bool, timeout) -> dict:
+    """Figures of ``make(*args)``, a new graph each time (the same keys could
+    be found still in memory)"""
+    times, moved, count, cpu = [], [], [], []
+    for i in range(repeat + warm_up):
+        graph = make(*args)
+        before, cpu_before = transferred(client), cpu_seconds(client)
+        start = time.perf_counter()
+        client.compute(graph).result(timeout=timeout)
+        client.cancel(graph)
+        if i < warm_up:
+            continue
+        times.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds(client) - cpu_before)
+        after = transferred(client)
+        moved.append(after[0] - before[0])
+        count.append(after[1] - before[1])
+    wall = statistics.median(times)
+    nbytes = statistics.median(moved)
+    return {
+        "wall_time": wall,
+        "times": times,
+        "cpu_seconds": statistics.median(cpu),
+        "transfers": statistics.median(count),
+        "bytes_moved": nbytes,
+        "throughput": nbytes / wall,
+    }
 
 
 def plot(results: dict, out: str) -> None:
@@ -145,7 +170,7 @@ def plot(results: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(protocols)
     for i, p in enumerate(protocols):
-        walls = [results["protocols"][p][n]["wall_time"] for n in names]
+        walls = [results["protocols"][p][n].get("wall_time", 0) for n in names]
         ax.bar([j + i * width for j in range(len(names))], walls, width, label=p)
     ax.set_xticks(
         [j + width * (len(protocols) - 1) / 2 for j in range(len(names))], names
@@ -179,6 +204,9 @@ def main() -> None:
     plot(results, args.out)
     tcp, mpi = results["protocols"]["tcp://"], results["protocols"]["mpi://"]
     for name in tcp:
+        if "error" in tcp[name] or "error" in mpi[name]:
+            print(f"{name:15s} tcp {tcp[name]}  mpi {mpi[name]}")
+            continue
         print(
             f"{name:15s} tcp {tcp[name]['wall_time']:7.2f}s  mpi {mpi[name]['wall_time']:7.2f}s"
             f"  mpi/tcp {mpi[name]['wall_time'] / tcp[name]['wall_time']:.2f}"

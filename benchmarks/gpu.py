@@ -55,6 +55,23 @@ from processes import kill, launch
 HERE = os.path.abspath(__file__)
 # Set by --host-arrays, for every process of the run
 HOST_ARRAYS = "GPU_BENCHMARK_HOST_ARRAYS"
+# Where the measuring process and its ping-pong client write the figures so
+# far, so that a part that fails or hangs keeps those it had
+FIGURES = "GPU_BENCHMARK_FIGURES"
+
+
+def write_json(data: dict, path: str) -> None:
+    """Whole or not at all: a reader never sees half a file"""
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def say(*args) -> None:
+    """Print to stderr, which may be a pipe whose reader (``tee``) has gone:
+    the figures matter more than their echo"""
+    with contextlib.suppress(OSError):
+        print(*args, file=sys.stderr, flush=True)
 
 
 def array_module():
@@ -100,11 +117,12 @@ async def client(address: str, quick: bool) -> dict:
         return statistics.median(times)
 
     for size in sizes(quick):
-        print(size, end=" ", file=sys.stderr, flush=True)  # where a hang was
+        say(f"{size} B")  # where a hang was
         msg = {"x": to_serialize(cupy.ones(size, dtype="u1"))}
         await timed(msg, 2)
         results[size] = await timed(msg, repetitions(size, quick))
-    print(file=sys.stderr)
+        if os.environ.get(FIGURES):
+            write_json(results, os.environ[FIGURES])
     await comm.close()
     return results
 
@@ -126,8 +144,7 @@ def dot(n: int, chunk: int):
 
     rs = da.random.RandomState(RandomState=cupy.random.RandomState)
     a = rs.random((n, n), chunks=chunk)
-    b = rs.random((n, n), chunks=chunk)
-    return a.dot(b).sum()
+    return (a @ a.T).sum()
 
 
 def rechunk(n: int, pieces: int):
@@ -158,15 +175,22 @@ def gather(arrays: int, mib: int):
 
 
 def dataframe_module():
-    """cuDF, pandas in a rehearsal (``--host-arrays``), or None"""
+    """cuDF, pandas in a rehearsal (``--host-arrays``), or None where cuDF or
+    dask_cudf (which teaches dask.dataframe cuDF) is missing or broken"""
     if os.environ.get(HOST_ARRAYS):
+        if importlib.util.find_spec("pandas") is None:
+            return None
         import pandas
 
         return pandas
-    if importlib.util.find_spec("cudf") is None:
+    if not all(importlib.util.find_spec(m) for m in ("cudf", "dask_cudf")):
         return None
-    import cudf
-
+    try:
+        import cudf
+        import dask_cudf  # noqa: F401
+    except Exception as e:
+        say(f"no cuDF workloads: {e!r}")
+        return None
     return cudf
 
 
@@ -218,12 +242,15 @@ def suite(quick: bool) -> dict:
 
 
 def cuda_aware() -> tuple[bool, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "distributed.comm.mpi_probe"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "distributed.comm.mpi_probe"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    except subprocess.SubprocessError as e:
+        return False, f"no: the probe failed ({e})"
     rows = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     line = rows.get("CUDA-aware MPI", " no: the probe failed").strip()
     return line.startswith("yes"), line
@@ -287,10 +314,12 @@ PARTS = ("pingpong", "apps")
 
 def measure(protocol: str, part: str, quick: bool, repeat: int, limit: float):
     """The figures of ``part`` on ``protocol``, measured by a child process
-    (``gpu.py measure``), and why they are missing if any are"""
+    (``gpu.py measure``), and why some are missing if any are: those it had
+    when it failed or was stopped are kept"""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "figures.json")
         argv = [HERE, "measure", protocol, part, path, "--repeat", str(repeat)]
+        argv += ["--limit", str(limit)]
         # A process that aborts prints where each of its threads was
         with environment(PYTHONFAULTHANDLER="1"):
             proc = launch(argv + (["--quick"] if quick else []), mpi=False)
@@ -316,7 +345,7 @@ def show_stacks(proc: subprocess.Popen) -> None:
     """Print the Python stacks of a measuring process that hung and of the
     processes it started: itself only prints (SIGUSR1), they abort (SIGABRT;
     a cluster's print into its logs, if kept)"""
-    print(f"where the processes of {proc.args[1:5]} were:", file=sys.stderr)
+    say(f"where the processes of {proc.args[1:5]} were:")
     with contextlib.suppress(psutil.Error):
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGUSR1)
@@ -328,17 +357,29 @@ def show_stacks(proc: subprocess.Popen) -> None:
     time.sleep(1)
 
 
-def measure_here(protocol: str, part: str, path: str, quick: bool, repeat: int):
-    """``gpu.py measure``: write the figures to ``path``"""
+def measure_here(
+    protocol: str, part: str, path: str, quick: bool, repeat: int, limit: float
+):
+    """``gpu.py measure``: write the figures to ``path``, as they come"""
     # SIGTERM from the parent unwinds, so that the server and cluster stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if part == "pingpong":
+        os.environ[FIGURES] = path  # the client writes them, size by size
         figures = pingpong.run_protocol(protocol, quick, client_script=HERE)
     else:
-        figures = apps.run_protocol(protocol, WORKERS, quick, repeat, suite(quick))
-    with open(path, "w") as f:
-        json.dump(figures, f)
+        workloads = suite(quick)
+        figures = apps.run_protocol(
+            protocol,
+            WORKERS,
+            quick,
+            repeat,
+            workloads,
+            warm_up=True,
+            timeout=limit / len(workloads),
+            done=lambda figures: write_json(figures, path),
+        )
+    write_json(figures, path)
 
 
 def main() -> None:
@@ -360,6 +401,13 @@ def main() -> None:
         "the workloads (default 100)",
     )
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds the whole run may take: a part gets what is left if that "
+        "is less than --limit, and none is started with under 20 s left",
+    )
+    parser.add_argument(
         "--logs",
         action="store_true",
         help="keep the output of the workloads' scheduler and workers, in "
@@ -376,6 +424,9 @@ def main() -> None:
         with open(args.plot) as f:
             plot(json.load(f), os.path.dirname(os.path.abspath(args.plot)))
         return
+    # SIGTERM (a timeout) unwinds, so that the measuring process is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    deadline = time.monotonic() + (args.budget or float("inf"))
     repeat = args.repeat or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
     if args.host_arrays:
@@ -399,47 +450,55 @@ def main() -> None:
         "pingpong": {},
         "apps": {},
     }
-    # What the targets compare comes first, each transport is measured in a
-    # process of its own that is stopped after --limit seconds, and the
-    # results are written after each: a transport that hangs is recorded as
-    # such, and the run goes on
+    # What the targets compare comes first (ucx:// after mpi:// ipc: it hung
+    # before), each transport is measured in a process of its own that is
+    # stopped after --limit seconds, and the results are written after each:
+    # a transport that hangs is recorded as such, and the run goes on
     variants = [("mpi:// ipc", "mpi", {})]
     if importlib.util.find_spec("distributed_ucxx"):
         # As dask-cuda does, so that UCX sees the GPU
         ucx = {"DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT": str(not args.host_arrays)}
         variants.append(("ucx://", "ucx", ucx))
     variants += [("tcp://", "tcp", {})]
+    variants += [("mpi:// staged", "mpi", {**NO_IPC})]
     variants += [
         ("mpi:// ipc, channel", "mpi", {MPI_SETTING + "LEND_ON_SOCKET": "False"})
     ]
-    variants += [("mpi:// staged", "mpi", {**NO_IPC})]
     if aware or args.direct:
         variants.append(
             ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
         )
+    results["variants"] = [name for name, _, _ in variants]
     if args.logs:
         os.environ[BENCHMARK_LOGS] = os.path.join(args.out, "logs")
         os.makedirs(os.environ[BENCHMARK_LOGS], exist_ok=True)
+    failed = results["failed"] = {}
+    unfinished = set()
     for name, protocol, settings in variants:
         for part in PARTS:
-            start = time.perf_counter()
-            with environment(**settings):
-                figures, failure = measure(
-                    protocol, part, args.quick, repeat, args.limit
-                )
-            if figures is not None:
-                results[part][name] = figures
+            limit = min(args.limit, deadline - time.monotonic() - 5)
+            if limit < 20:
+                failure = "not started: out of time (--budget)"
+            elif name in unfinished:
+                failure = f"not started: its {PARTS[0]} did not finish"
+            else:
+                start = time.perf_counter()
+                with environment(**settings):
+                    figures, failure = measure(
+                        protocol, part, args.quick, repeat, limit
+                    )
+                if figures is not None:
+                    results[part][name] = figures
+                if failure and failure.startswith("unfinished"):
+                    unfinished.add(name)
+                failure = failure and f"{failure}, {time.perf_counter() - start:.0f} s"
             if failure:
-                results.setdefault("failed", {})[f"{name} {part}"] = failure
-            took = time.perf_counter() - start
-            print(
-                f"{name} {part}: {took:.0f} s{', ' + failure if failure else ''}",
-                file=sys.stderr,
-            )
-            with open(os.path.join(args.out, "gpu.json"), "w") as f:
-                json.dump(results, f, indent=1)
+                failed[f"{name} {part}"] = failure
+            write_json(results, os.path.join(args.out, "gpu.json"))
+            say(f"{name} {part}: {failure or 'done'}")
     plot(results, args.out)
-    summarize(results)
+    with contextlib.suppress(OSError):  # stdout gone: the figures are written
+        summarize(results)
 
 
 def summarize(results: dict) -> None:
@@ -453,12 +512,21 @@ def summarize(results: dict) -> None:
         )
         print(part, *names, f"ipc/{base}", sep="  ")
         for key in keys:
-            row = [figures[n].get(key) for n in names]
-            row = [r["wall_time"] if isinstance(r, dict) else r for r in row]
+            raw = [figures[n].get(key) for n in names]
+            # A workload's figures, or its error
+            row = [r.get("wall_time") if isinstance(r, dict) else r for r in raw]
+            raw = [r if row[i] is None else row[i] for i, r in enumerate(raw)]
             ratio = ""
             if base and "mpi:// ipc" in names and None not in row:
                 ratio = f"{row[names.index('mpi:// ipc')] / row[names.index(base)]:.2f}"
-            cells = ["-" if r is None else cell.format(r) for r in row]
+            cells = [
+                (
+                    "failed"
+                    if isinstance(r, dict)
+                    else "-" if r is None else cell.format(r)
+                )
+                for r in raw
+            ]
             print(key, *cells, ratio, sep="  ")
     for name, why in results.get("failed", {}).items():
         print(f"{name}: {why}")
@@ -471,6 +539,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["measure"]:
         protocol, part, path, *rest = sys.argv[2:]
         repeat = int(rest[rest.index("--repeat") + 1])
-        measure_here(protocol, part, path, "--quick" in rest, repeat)
+        limit = float(rest[rest.index("--limit") + 1])
+        measure_here(protocol, part, path, "--quick" in rest, repeat, limit)
     else:
         main()

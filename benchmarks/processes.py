@@ -30,8 +30,15 @@ def launch(argv: list[str], mpi: bool, **kwargs) -> subprocess.Popen:
 
 
 def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the process and its session; for an mpiexec, remove the hwloc
-    file in /tmp that its killed proxy leaves"""
+    """SIGKILL the process, its session and its descendants (which may have
+    sessions of their own: a benchmark's child that launched processes); for
+    an mpiexec, remove the hwloc file in /tmp that its killed proxy leaves"""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)  # its session, if it leads one
+            with contextlib.suppress(psutil.Error):
+                child.kill()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

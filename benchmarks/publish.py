@@ -38,6 +38,7 @@ NAMES = [
     "soak",
     "gpu",
     "gpu-direct",
+    "gpu_costs",
 ]
 # Raw samples, which the pages and plots do not need: (key path, ...)
 RAW = {
@@ -69,9 +70,13 @@ def copy_run(results: str) -> None:
         with open(os.path.join(DOCS, f"{name}.json"), "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
-        plot = os.path.join(results, f"{name}.png")
-        if os.path.exists(plot) and os.path.dirname(os.path.abspath(plot)) != DOCS:
-            shutil.copyfile(plot, os.path.join(DOCS, f"{name}.png"))
+        plot, published = os.path.join(results, f"{name}.png"), figure_path(name)
+        if os.path.abspath(plot) == published:
+            continue
+        if os.path.exists(plot):
+            shutil.copyfile(plot, published)
+        elif os.path.exists(published):  # an older run's: not of these figures
+            os.unlink(published)
 
 
 def _plotted(sample: dict) -> dict:
@@ -143,8 +148,12 @@ def heading(title: str, mark: str = "-") -> list[str]:
     return [title, mark * len(title), ""]
 
 
+def figure_path(name: str) -> str:
+    return os.path.join(DOCS, f"{name}.png")
+
+
 def figure(name: str) -> list[str]:
-    if not os.path.exists(os.path.join(DOCS, f"{name}.png")):
+    if not os.path.exists(figure_path(name)):
         return []
     return [f".. image:: benchmarks/{name}.png", ""]
 
@@ -249,8 +258,16 @@ def gpu_lines(gpu: dict) -> list[str]:
             if key in ("gpu_path", "device_ipc"):
                 continue
             cells = {n: value(figures[n][key]) for n in names if key in figures[n]}
+            failed = {n for n, v in cells.items() if v is None}  # its error
+            cells = {n: v for n, v in cells.items() if v is not None}
             label = _size(int(key)) if key.isdigit() else key
-            row = [label, *(_seconds(cells[n]) if n in cells else "-" for n in names)]
+            row = [label]
+            for n in names:
+                row.append(
+                    _seconds(cells[n])
+                    if n in cells
+                    else "failed" if n in failed else "-"
+                )
             for m, b in pairs:
                 both = m in cells and b in cells
                 row.append(f"{cells[m] / cells[b]:.2f}" if both else "-")
@@ -267,10 +284,47 @@ def gpu_lines(gpu: dict) -> list[str]:
     if apps:
         workers = gpu.get("workers", "two")  # runs before the key had two
         lines += ["", f"Dask arrays of CuPy chunks on {workers} workers, median:"]
-        lines += [""] + table(apps, "workload", lambda f: f["wall_time"])
-    for name, why in gpu.get("failed", {}).items():
+        lines += [""] + table(apps, "workload", lambda f: f.get("wall_time"))
+    for name, row in apps.items():
+        for workload, f in row.items():
+            if "error" in f:
+                lines += ["", f"{name} {workload}: {_one_line(f['error'])}"]
+    failed = gpu.get("failed", {})
+    for name, why in failed.items():
         lines += ["", f"{name}: {why}."]
+    for name in gpu.get("variants", []):
+        if name not in pp and not any(k.startswith(name + " ") for k in failed):
+            lines += ["", f"{name}: not measured."]
     return lines
+
+
+def gpu_costs_lines(costs: dict) -> list[str]:
+    """What each step of a device frame's trip cost, where it was measured"""
+    rows = [["step", "median"]]
+    for part in ("steps", "opens"):
+        figures = costs.get(part, {})
+        if "error" in figures:  # the part failed as a whole
+            figures = {part: figures}
+        for step, us in figures.items():
+            if isinstance(us, dict):
+                rows.append([step, f"failed: {_one_line(us['error'])}"])
+            else:
+                rows.append([step, _seconds(us / 1e6)])
+    lines = ["Each step of a device frame's trip (``benchmarks/gpu_costs.py``):", ""]
+    lines += rst_table(rows)
+    freed = costs.get("freed while mapped", {})
+    if freed and "error" not in freed:
+        lines += [
+            "",
+            "GiB in use on the GPU as one process allocates 1 GiB that another maps:",
+            "",
+        ]
+        lines += rst_table([["", "GiB"], *([k, f"{v:.2f}"] for k, v in freed.items())])
+    return lines
+
+
+def _one_line(error: str) -> str:
+    return " ".join(error.split()).rstrip(".") + "."
 
 
 def _size(n: int) -> str:
@@ -391,6 +445,9 @@ def page() -> str:
         gpu = load(name)
         if gpu:
             lines += heading(title) + gpu_lines(gpu) + [""] + figure(name)
+    costs = load("gpu_costs")
+    if costs:
+        lines += heading("GPU, the costs of each step") + gpu_costs_lines(costs) + [""]
     while not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ import ctypes
 import functools
 import importlib.util
 import itertools
+import logging
 import math
 import os
 import struct
@@ -48,6 +49,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from distributed.comm.mpi_startup import config
+
+logger = logging.getLogger(__name__)
 
 # Serializers of an mpi:// comm between two processes with a GPU
 SERIALIZERS = ("cuda", "dask", "pickle", "error")
@@ -171,6 +174,25 @@ def _device(backend: str) -> Device | None:
     return None
 
 
+def _usable_rmm():
+    """RMM where it is installed and allocates; an RMM that cannot (a missing
+    CUDA binding, a library for another CUDA) must not stop every receive"""
+    if importlib.util.find_spec("rmm") is None:
+        return False
+    try:
+        import rmm
+
+        rmm.DeviceBuffer(size=1)
+    except Exception as e:
+        logger.warning(
+            "RMM is installed but cannot allocate (%r): mpi:// receives device "
+            "frames into CuPy arrays",
+            e,
+        )
+        return False
+    return rmm
+
+
 class CuPyDevice:
     """CUDA, through CuPy"""
 
@@ -178,13 +200,14 @@ class CuPyDevice:
         import cupy
 
         self._cupy = cupy
+        self._rmm = None  # the module, False where it cannot be used; first use
 
     def buffer(self, size: int):
         # distributed's RMM deserializer requires an rmm.DeviceBuffer
-        if importlib.util.find_spec("rmm") is not None:
-            import rmm
-
-            return rmm.DeviceBuffer(size=size)
+        if self._rmm is None:
+            self._rmm = _usable_rmm()
+        if self._rmm:
+            return self._rmm.DeviceBuffer(size=size)
         return self._cupy.empty(size, dtype="u1")
 
     def pinned(self, size: int):

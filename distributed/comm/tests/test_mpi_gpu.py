@@ -131,6 +131,34 @@ def test_a_process_may_map_its_own_gpu_and_its_peers():
     assert devices[1:] == peers
 
 
+@gpu
+def test_an_rmm_that_cannot_allocate_leaves_cupy_buffers(tmp_path):
+    """An RMM that imports but cannot allocate (built for another CUDA, a
+    binding missing) is given up once, with a warning, for CuPy's buffers"""
+    (tmp_path / "rmm").mkdir()
+    (tmp_path / "rmm" / "__init__.py").write_text(
+        "class DeviceBuffer:\n"
+        "    def __init__(self, size):\n"
+        "        raise RuntimeError('no CUDA 99 driver')\n"
+    )
+    script = (
+        "from distributed.comm import mpi_gpu\n"
+        "device = mpi_gpu.CuPyDevice()\n"
+        "print(type(device.buffer(16)).__name__, type(device.buffer(8)).__name__)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.split() == ["ndarray", "ndarray"], out.stderr
+    assert out.stderr.count("RMM is installed but cannot allocate") == 1
+    assert "no CUDA 99 driver" in out.stderr
+
+
 @gen_test()
 async def test_device_slices_reach_mpi_as_pointers():
     """A chunk of a device frame goes to MPI as a pointer and size; here the
