@@ -50,11 +50,13 @@ import apps
 import pingpong
 import psutil
 from processes import LOGS as BENCHMARK_LOGS
-from processes import kill, launch
+from processes import kill, kill_orphans, launch, take_orphans
 
 HERE = os.path.abspath(__file__)
 # Set by --host-arrays, for every process of the run
 HOST_ARRAYS = "GPU_BENCHMARK_HOST_ARRAYS"
+# Why ucx:// is not measured, where run.sh found it could not be
+UCX_LEFT_OUT = "GPU_BENCHMARK_UCX_LEFT_OUT"
 # Where the measuring process and its ping-pong client write the figures so
 # far, so that a part that fails or hangs keeps those it had
 FIGURES = "GPU_BENCHMARK_FIGURES"
@@ -312,10 +314,14 @@ def plot(results: dict, out: str) -> None:
 PARTS = ("pingpong", "apps")
 
 
-def measure(protocol: str, part: str, quick: bool, repeat: int, limit: float):
-    """The figures of ``part`` on ``protocol``, measured by a child process
-    (``gpu.py measure``), and why some are missing if any are: those it had
-    when it failed or was stopped are kept"""
+def measure(
+    protocol: str, part: str, quick: bool, repeat: int, limit: float, stall: float, keep
+) -> None:
+    """Measure ``part`` on ``protocol`` in a child process (``gpu.py
+    measure``), stopped after ``limit`` seconds, or once its figures have not
+    grown for ``stall`` seconds; ``keep(figures, failure)`` gets those it
+    wrote and why some are missing, if any are, whatever stopped it (this
+    process too: a SIGTERM)"""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "figures.json")
         argv = [HERE, "measure", protocol, part, path, "--repeat", str(repeat)]
@@ -323,22 +329,41 @@ def measure(protocol: str, part: str, quick: bool, repeat: int, limit: float):
         # A process that aborts prints where each of its threads was
         with environment(PYTHONFAULTHANDLER="1"):
             proc = launch(argv + (["--quick"] if quick else []), mpi=False)
+        failure = "stopped by the run's deadline"  # unless it ends before
         try:
-            proc.wait(limit)
-            failure = proc.returncode and f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            failure = f"unfinished after {limit:.0f} s"
-            show_stacks(proc)
-            proc.terminate()  # it stops its server and cluster
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
+            failure = wait(proc, path, limit, stall)
+            if failure:
+                show_stacks(proc)
+                proc.terminate()  # it stops its server and cluster
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(20)
+            else:
+                failure = proc.returncode and f"exit status {proc.returncode}"
         finally:
             kill(proc)
-        figures = None
-        if os.path.exists(path):
-            with open(path) as f:
-                figures = json.load(f)
-        return figures, failure or None
+            kill_orphans()  # of a child that died hard, say
+            figures = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    figures = json.load(f)
+            keep(figures, failure or None)
+
+
+def wait(proc: subprocess.Popen, path: str, limit: float, stall: float) -> str:
+    """Wait for ``proc``; why it was stopped, if it was"""
+    start = last = time.monotonic()
+    grown = None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now - start > limit:
+            return f"unfinished after {limit:.0f} s"
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime != grown:
+                grown, last = os.stat(path).st_mtime, now
+        if now - last > stall:
+            return f"unfinished: no new figure for {stall:.0f} s"
+        time.sleep(0.2)
+    return ""
 
 
 def show_stacks(proc: subprocess.Popen) -> None:
@@ -401,17 +426,26 @@ def main() -> None:
         "the workloads (default 100)",
     )
     parser.add_argument(
+        "--stall",
+        type=float,
+        default=45,
+        help="seconds after which a ping-pong or workloads with no new figure "
+        "are stopped (default 45)",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=None,
         help="seconds the whole run may take: a part gets what is left if that "
-        "is less than --limit, and none is started with under 20 s left",
+        "is less than --limit, and none is started with under 45 s left",
     )
     parser.add_argument(
         "--logs",
-        action="store_true",
-        help="keep the output of the workloads' scheduler and workers, in "
-        "logs/ beside gpu.json",
+        metavar="DIR",
+        nargs="?",
+        const="",
+        help="keep the output of the workloads' scheduler and workers, in DIR "
+        "(default: logs/ beside gpu.json)",
     )
     parser.add_argument(
         "--direct",
@@ -426,7 +460,8 @@ def main() -> None:
         return
     # SIGTERM (a timeout) unwinds, so that the measuring process is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    deadline = time.monotonic() + (args.budget or float("inf"))
+    deadline = time.monotonic() + (float("inf") if args.budget is None else args.budget)
+    take_orphans()
     repeat = args.repeat or (1 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
     if args.host_arrays:
@@ -469,34 +504,49 @@ def main() -> None:
             ("mpi:// direct", "mpi", {**NO_IPC, MPI_SETTING + "CUDA_AWARE": "true"})
         )
     results["variants"] = [name for name, _, _ in variants]
-    if args.logs:
-        os.environ[BENCHMARK_LOGS] = os.path.join(args.out, "logs")
+    if args.logs is not None:
+        os.environ[BENCHMARK_LOGS] = args.logs or os.path.join(args.out, "logs")
         os.makedirs(os.environ[BENCHMARK_LOGS], exist_ok=True)
     failed = results["failed"] = {}
+    if os.environ.get(UCX_LEFT_OUT):
+        failed["ucx://"] = os.environ[UCX_LEFT_OUT]
     unfinished = set()
-    for name, protocol, settings in variants:
-        for part in PARTS:
-            limit = min(args.limit, deadline - time.monotonic() - 5)
-            if limit < 20:
-                failure = "not started: out of time (--budget)"
-            elif name in unfinished:
-                failure = f"not started: its {PARTS[0]} did not finish"
-            else:
-                start = time.perf_counter()
-                with environment(**settings):
-                    figures, failure = measure(
-                        protocol, part, args.quick, repeat, limit
-                    )
-                if figures is not None:
-                    results[part][name] = figures
-                if failure and failure.startswith("unfinished"):
-                    unfinished.add(name)
-                failure = failure and f"{failure}, {time.perf_counter() - start:.0f} s"
-            if failure:
-                failed[f"{name} {part}"] = failure
-            write_json(results, os.path.join(args.out, "gpu.json"))
-            say(f"{name} {part}: {failure or 'done'}")
-    plot(results, args.out)
+    out = os.path.join(args.out, "gpu.json")
+    try:
+        for name, protocol, settings in variants:
+            for part in PARTS:
+                # A part stopped at its limit takes up to 25 s more to stop
+                limit = min(args.limit, deadline - time.monotonic() - 30)
+                if limit < 15:
+                    failure = "not started: out of time (--budget)"
+                elif name in unfinished:
+                    failure = f"not started: its {PARTS[0]} did not finish"
+                else:
+                    start = time.perf_counter()
+
+                    def keep(figures, failure):
+                        if figures is not None:
+                            results[part][name] = figures
+                        if failure and failure.startswith("unfinished"):
+                            unfinished.add(name)
+                        if failure:
+                            took = time.perf_counter() - start
+                            failed[f"{name} {part}"] = f"{failure}, {took:.0f} s"
+                        write_json(results, out)
+
+                    with environment(**settings):
+                        measure(
+                            protocol, part, args.quick, repeat, limit, args.stall, keep
+                        )
+                    failure = failed.get(f"{name} {part}")
+                if failure and f"{name} {part}" not in failed:
+                    failed[f"{name} {part}"] = failure
+                write_json(results, out)
+                say(f"{name} {part}: {failure or 'done'}")
+    finally:
+        write_json(results, out)
+        with contextlib.suppress(Exception):
+            plot(results, args.out)
     with contextlib.suppress(OSError):  # stdout gone: the figures are written
         summarize(results)
 

@@ -31,6 +31,7 @@ import time
 
 import gpu
 import pingpong
+from processes import kill_orphans, take_orphans
 
 MiB = 2**20
 
@@ -215,6 +216,7 @@ def main() -> None:
     args = parser.parse_args()
     # SIGTERM (a timeout) unwinds, so that the processes started are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    take_orphans()
     os.makedirs(args.out, exist_ok=True)
     results = {"machine": pingpong.versions()}
     parts = [
@@ -228,6 +230,8 @@ def main() -> None:
             results[name] = part()
         except Exception as e:  # one GPU run: the other parts still count
             results[name] = {"error": repr(e)}
+        finally:
+            kill_orphans()
         gpu.write_json(results, os.path.join(args.out, "gpu_costs.json"))
         gpu.say(name, json.dumps(results[name], indent=1))
 

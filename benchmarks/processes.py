@@ -4,6 +4,7 @@ own session so that a whole job can be killed, and always cleaned up."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
 import signal
@@ -44,6 +45,26 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
     if proc.args[0] == MPIEXEC:
         remove_leaked_hwloc_files(since=getattr(proc, "started", 0))
+
+
+def take_orphans() -> None:
+    """Make this process the parent of the orphans of its descendants (Linux:
+    a subreaper), so that :func:`kill_orphans` finds those a child that died
+    hard left behind, in sessions of their own"""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def kill_orphans() -> None:
+    """SIGKILL every descendant of this process, and reap them"""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)
 
 
 def remove_leaked_hwloc_files(since: float) -> None:

@@ -18,8 +18,10 @@ carried:
 installs the wheels (once) into a virtual environment that sees the machine's
 own packages (CuPy, Numba) after its own, then prints the probe
 (``distributed.comm.mpi_probe``) and runs the GPU tests, or runs
-``benchmarks/gpu.py`` and ``benchmarks/gpu_costs.py``; logs, ``probe.txt``,
-test output, ``gpu.json``, ``gpu.png`` and ``gpu_costs.json`` go to ``$OUT``.
+``benchmarks/gpu.py`` and ``benchmarks/gpu_costs.py``; ``run-MODE.log``,
+``probe.txt``, the tests' output, ``gpu.json``, ``gpu.png``,
+``gpu_costs.json`` and the workers' logs (``logs.tgz``) go to ``$OUT``: the
+device tool brings back 8 files.
 
 MPICH from PyPI is not CUDA-aware, so GPU frames go staged.  For the direct
 path, ``bundle --ucx-cuda`` adds UCX built with CUDA (from the libucx-cu12
@@ -41,7 +43,8 @@ set-up 20 s, the tests 15-40 s, the full benchmark (``GPU_BENCH_ARGS=" "``)
 but ucx:// hung twice.  So ``run.sh`` keeps to one deadline (``RUN_BUDGET``,
 530 s), the benchmark to what is left of it (``--budget``) and gives each
 transport at most 100 s for the ping-pong and 100 s for the workloads
-(``--limit``), keeps what a part measured before it failed or hung, prints
+(``--limit``), or 45 s without a new figure (``--stall``), keeps what a part
+measured before it failed or hung, prints
 where its processes were (their output, the workers' too, is in ``$OUT``),
 and goes on.  The device tool lends 15 minutes a session, machine starts
 included: one ``all`` call (``timeout_s`` 570), and a second only if the
@@ -88,11 +91,13 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-$HERE/out}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run-$mode.log") 2>&1
+tee_pid=$!
 cd "$HERE"
 END=$((SECONDS + ${RUN_BUDGET:-530}))
 
 # step LIMIT KEEP COMMAND...: COMMAND for at most LIMIT seconds, ending KEEP
-# seconds before the deadline at the latest (for the steps after it)
+# seconds before the deadline at the latest (for the steps after it); then
+# SIGINT, on which Python unwinds (pytest's fixtures stop their processes)
 step() {
     local limit=$1 left=$((END - SECONDS - $2))
     shift 2
@@ -101,12 +106,12 @@ step() {
         echo "not run, out of time: $*"
         return 124
     fi
-    timeout -k 10 "$limit" "$@"
+    timeout -s INT -k 20 "$limit" "$@"
 }
 
 # The wheels are for Python @PYTHON@
 PY=
-for candidate in python@PYTHON@ python3; do
+for candidate in python3 python@PYTHON@; do
     if command -v "$candidate" >/dev/null && "$candidate" -c \
         'import sys; sys.exit("%d.%d" % sys.version_info[:2] != sys.argv[1])' @PYTHON@; then
         PY="$candidate"
@@ -149,6 +154,8 @@ print("\n".join(dict.fromkeys([p["purelib"], p["platlib"], site.getusersitepacka
             pip install -q --no-index --find-links wheels --force-reinstall --no-deps mpi4py
             timeout 60 python -c "$mpich"
         fi
+        python -c "import cupy; print('CuPy', cupy.__version__, 'sees', cupy.cuda.runtime.getDeviceCount(), 'GPU(s)')" ||
+            echo "CuPy sees no GPU here: the GPU tests skip"
         touch .venv/ready
     )
     if [ ! -e .venv/ready ]; then
@@ -164,7 +171,8 @@ if [ -d "$HERE/ucxx" ]; then  # bundle --ucxx: ucx:// and RMM, where RMM works
         'import distributed_ucxx, rmm; rmm.DeviceBuffer(size=1); print("RMM", rmm.__version__)'; then
         export PYTHONPATH="$HERE:$HERE/ucxx" DASK_DISTRIBUTED_UCXX__CREATE_CUDA_CONTEXT=True
     else
-        echo "ucx:// or RMM does not load or allocate here: both left out"
+        export GPU_BENCHMARK_UCX_LEFT_OUT="not measured: RMM or distributed-ucxx does not load or allocate here (run-$mode.log)"
+        echo "$GPU_BENCHMARK_UCX_LEFT_OUT"
     fi
 fi
 which mpiexec
@@ -194,12 +202,20 @@ if [ "$mode" != test ]; then
     # such), and leaves gpu_costs.py 80 s
     budget=$((END - SECONDS - 80))
     (cd benchmarks && step $((budget + 20)) 60 python gpu.py "${direct[@]}" \
-        ${GPU_BENCH_ARGS:---quick} --budget "$budget" --logs --out "$OUT") || status=$?
+        ${GPU_BENCH_ARGS:---quick} --budget "$budget" --logs "$HERE/logs" --out "$OUT") || status=$?
     (cd benchmarks && step 90 0 python gpu_costs.py --out "$OUT") || status=$?
 fi
 echo "processes left:"
 ps -eo pid,etime,args | grep -E "[m]piexec|[h]ydra|[d]istributed\.cli|[g]pu(_costs)?\.py|[p]ingpong" ||
     echo none
+# The device tool brings back 8 files of $OUT: the workers' logs as one
+if [ -d logs ]; then tar czf "$OUT/logs.tgz" logs && rm -r logs; fi
+rm -f "$OUT"/*.tmp
+exec >&- 2>&-
+for _ in $(seq 50); do  # the log whole, unless a process left holds it open
+    kill -0 "$tee_pid" 2>/dev/null || break
+    sleep 0.1
+done
 exit $status
 """
 
