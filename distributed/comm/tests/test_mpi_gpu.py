@@ -473,3 +473,49 @@ def test_dask_cuda_local_cuda_cluster_and_cli_worker(tmp_path, rmm_pool):
             client.wait_for_workers(1, timeout=60)
             total = client.compute((x + x.T).sum()).result()
             assert np.isclose(float(total), expected)
+
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), *[os.pardir] * 3, "benchmarks")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(BENCHMARKS, "gpu.py")),
+    reason="the benchmarks are in the checkout, not in an installed package",
+)
+def test_the_gpu_benchmark_rehearses_on_host_arrays(tmp_path):
+    """benchmarks/gpu.py, as on a GPU machine, with numpy in CuPy's place:
+    every transport measured but ucx://, each part whole, the figures
+    publishable (a GPU run is rare, and must not be spent on the script)"""
+    import json
+
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import publish
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+    cmd = [sys.executable, "gpu.py", "--quick", "--host-arrays", "--out", tmp_path]
+    proc = subprocess.Popen(cmd + ["--limit", "120", "--budget", "360"], cwd=BENCHMARKS)
+    try:
+        assert proc.wait(390) == 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # it stops what it started
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+            proc.kill()
+            proc.wait()
+    with open(tmp_path / "gpu.json") as f:
+        results = json.load(f)
+    variants = ["mpi:// ipc", "tcp://", "mpi:// staged", "mpi:// ipc, channel"]
+    assert [v for v in results["variants"] if v != "ucx://"] == variants
+    assert results["failed"] == {}
+    top = str(2**28)
+    workloads = {"transpose_sum", "dot", "rechunk", "gather"}
+    for name in variants:
+        assert top in results["pingpong"][name]
+        assert workloads <= set(results["apps"][name]), results["apps"][name]
+        assert all("wall_time" in f for f in results["apps"][name].values())
+    lines = publish.gpu_lines(results)
+    assert "failed" not in "\n".join(lines)
