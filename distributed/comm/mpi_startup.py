@@ -274,9 +274,12 @@ def get_mpi():
 
 
 def process_id() -> str:
-    """A name for this process, unique across hosts, jobs and forks"""
+    """A name for this process, unique across hosts, jobs and forks; on one
+    host, an older process's sorts first (its pid is padded), as tests that
+    need to know which of two processes accepts their channel assume"""
     if _this.name is None:
-        _this.name = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+        pid = f"{os.getpid():010d}"
+        _this.name = f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}"
     return _this.name
 
 

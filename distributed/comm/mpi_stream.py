@@ -151,15 +151,18 @@ class SocketStream:
             return
         self._closed, self.error = True, error
         failed = StreamClosedError(error)
-        if not self._loop.is_closed():
+        # Closed by a finalizer after its event loop (a comm nobody closed):
+        # nothing waits any more, and its futures can no longer be resolved
+        live = not self._loop.is_closed()
+        if live:
             self._read_off()
         self._outbox.close(failed)
         self.socket.close()
-        for fut in [self._waiter, self._raw]:
+        for fut in [self._waiter, self._raw] if live else []:
             if fut is not None and not fut.done():
                 fut.set_exception(failed)
                 fut.exception()  # nobody may wait for it any more
-        for fut in self._closing:
+        for fut in self._closing if live else []:
             if not fut.done():
                 fut.set_result(b"")
         self._waiter = self._raw = None
@@ -398,7 +401,7 @@ class _Outbox:
         self._unsent.clear()
         self._fail = None
         drained, self._drained = self._drained, []
-        for fut in drained:
+        for fut in drained if not self._loop.is_closed() else []:
             if not fut.done():
                 fut.set_exception(failed)
                 fut.exception()  # nobody may wait for it any more

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import glob
 import re
 import socket
@@ -88,6 +89,28 @@ async def test_round_trips_with_an_mpiexec_process(server):
     # acknowledged on the socket: no MPI channel opened
     assert comm.channel is None and not comm.lent
     await comm.close()
+
+
+def test_a_comm_left_open_after_its_event_loop_closes_quietly(server):
+    """A comm nobody closed, collected after its event loop closed (a test
+    that failed half-way, say): its finalizer closes its socket, and raises
+    nothing, though a callback waited for the socket to close"""
+
+    async def open_a_comm():
+        return await connect(server[0])
+
+    comm = asyncio.run(open_a_comm())
+    assert comm._lender.writer is not None  # it lends: it waits for the close
+    socket_ = comm.stream.socket
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        del comm
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert socket_.fileno() == -1
+    assert not unraisable, unraisable[0].exc_value
 
 
 @pytest.fixture
