@@ -411,7 +411,11 @@ def test_job_and_worker_alone_on_other_hosts_shut_down_cleanly(
                     report = client_report(proc)
                 alone.wait(60)
             job.wait(60)
-    check_across_hosts(hosts, report, 2)
+    try:
+        check_across_hosts(hosts, report, 2)
+    except AssertionError as e:  # why the data went over TCP, if it did
+        output = {name: log.read_text()[-20000:] for name, log in logs.items()}
+        raise AssertionError(f"{e}\n{output['job']}\n{output['alone']}") from e
     for name, proc in [("job", job), ("alone", alone)]:
         out = logs[name].read_text()
         assert proc.returncode == 0, out
