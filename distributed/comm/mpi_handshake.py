@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
 MAGIC = b"DASK-MPI"
-PROTOCOL = 10  # both ends must speak the same
+PROTOCOL = 11  # both ends must speak the same
 MAX_SIZE = 64 * 1024
 
 

@@ -14,7 +14,8 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 - a process alone in its job connects to a rank of a bigger one (after a
   connect to another host, MPICH's MPI_Finalize can crash, and only a
   process alone in its job may leave it out); else, of two processes, the
-  one whose ``process_id()`` sorts first accepts.  Ranks of two jobs of
+  one whose ``process_id()`` sorts first (``mpi_startup.sorts_first``)
+  accepts.  Ranks of two jobs of
   several ranks on different hosts do not meet (TCP only);
 - the acceptor enters MPI first, as soon as it has sent its port name over
   TCP, and gives up after ``channel-timeout``;
@@ -54,6 +55,7 @@ from distributed.comm.mpi_startup import (
     get_mpi,
     process_id,
     skip_finalize,
+    sorts_first,
     world,
 )
 from distributed.comm.mpi_stream import SocketStream
@@ -120,7 +122,7 @@ class Opener:
         one: that one opens, not two (when each end first writes large
         frames to the other on a comm it dialled, they dial each other)."""
         process = peer.process
-        crossing = process in self._opening and process_id() < process
+        crossing = process in self._opening and sorts_first(process_id(), process)
         return not crossing and self.channels.may_open(peer)
 
     def open_soon(self, address: str, peer: Peer) -> None:

@@ -144,7 +144,7 @@ def accepts(peer: Peer) -> bool:
     alone, peer_alone = mpi_startup.world() is None, peer.world is None
     if alone != peer_alone:
         return peer_alone
-    return mpi_startup.process_id() < peer.process
+    return mpi_startup.sorts_first(mpi_startup.process_id(), peer.process)
 
 
 def gpu_path(peer: Peer | None) -> str | None:

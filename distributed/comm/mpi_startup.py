@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -274,13 +275,21 @@ def get_mpi():
 
 
 def process_id() -> str:
-    """A name for this process, unique across hosts, jobs and forks; on one
-    host, an older process's sorts first (its pid is padded), as tests that
-    need to know which of two processes accepts their channel assume"""
+    """A name for this process, unique across hosts, jobs and forks:
+    ``host/pid/nonce``, the nonce starting with when it was named"""
     if _this.name is None:
-        pid = f"{os.getpid():010d}"
-        _this.name = f"{socket.gethostname()}/{pid}/{uuid.uuid4().hex}"
+        nonce = f"{time.time_ns():016x}{uuid.uuid4().hex}"
+        _this.name = f"{socket.gethostname()}/{os.getpid()}/{nonce}"
     return _this.name
+
+
+def sorts_first(process: str, other: str) -> bool:
+    """Whether, of two processes (their ``process_id()``), ``process`` comes
+    first: by host, then by when each was named, so that on one host the
+    older one does whatever pids wrapped around to"""
+    host, _, nonce = process.split("/")
+    other_host, _, other_nonce = other.split("/")
+    return (host, nonce) < (other_host, other_nonce)
 
 
 def _forget_process_id() -> None:

@@ -1170,3 +1170,23 @@ def test_mpi_started_in_a_test_leaks_no_thread():
     # ... and MPI_Finalize, at exit, said nothing: Python 3.12 and later
     # start no thread there, where MPICH asks its process manager again
     assert out.stderr == ""
+
+
+def test_the_older_of_two_processes_of_a_host_sorts_first():
+    """Which of two processes accepts their channel: by host, then the one
+    named first (an older process), whatever their pids, which wrap around"""
+    me = mpi_startup.process_id()
+    script = "from distributed.comm import mpi_startup; print(mpi_startup.process_id())"
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    assert mpi_startup.sorts_first(me, child)
+    assert not mpi_startup.sorts_first(child, me)
+    host, _, nonce = child.split("/")
+    assert mpi_startup.sorts_first(me, f"{host}/1/{nonce}")  # a wrapped pid
+    _, pid, my_nonce = me.split("/")
+    assert mpi_startup.sorts_first(f"a/{pid}/{nonce}", f"b/1/{my_nonce}")
