@@ -358,8 +358,8 @@ def wait(proc: subprocess.Popen, path: str, limit: float, stall: float) -> str:
         if now - start > limit:
             return f"unfinished after {limit:.0f} s"
         with contextlib.suppress(OSError):
-            if os.stat(path).st_mtime != grown:
-                grown, last = os.stat(path).st_mtime, now
+            if (mtime := os.stat(path).st_mtime) != grown:
+                grown, last = mtime, now
         if now - last > stall:
             return f"unfinished: no new figure for {stall:.0f} s"
         time.sleep(0.2)
@@ -515,12 +515,13 @@ def main() -> None:
     try:
         for name, protocol, settings in variants:
             for part in PARTS:
+                key = f"{name} {part}"
                 # A part stopped at its limit takes up to 25 s more to stop
                 limit = min(args.limit, deadline - time.monotonic() - 30)
                 if limit < 15:
-                    failure = "not started: out of time (--budget)"
+                    failed[key] = "not started: out of time (--budget)"
                 elif name in unfinished:
-                    failure = f"not started: its {PARTS[0]} did not finish"
+                    failed[key] = f"not started: its {PARTS[0]} did not finish"
                 else:
                     start = time.perf_counter()
 
@@ -531,18 +532,14 @@ def main() -> None:
                             unfinished.add(name)
                         if failure:
                             took = time.perf_counter() - start
-                            failed[f"{name} {part}"] = f"{failure}, {took:.0f} s"
-                        write_json(results, out)
+                            failed[key] = f"{failure}, {took:.0f} s"
 
                     with environment(**settings):
                         measure(
                             protocol, part, args.quick, repeat, limit, args.stall, keep
                         )
-                    failure = failed.get(f"{name} {part}")
-                if failure and f"{name} {part}" not in failed:
-                    failed[f"{name} {part}"] = failure
                 write_json(results, out)
-                say(f"{name} {part}: {failure or 'done'}")
+                say(f"{key}: {failed.get(key, 'done')}")
     finally:
         write_json(results, out)
         with contextlib.suppress(Exception):
@@ -562,21 +559,18 @@ def summarize(results: dict) -> None:
         )
         print(part, *names, f"ipc/{base}", sep="  ")
         for key in keys:
-            raw = [figures[n].get(key) for n in names]
-            # A workload's figures, or its error
-            row = [r.get("wall_time") if isinstance(r, dict) else r for r in raw]
-            raw = [r if row[i] is None else row[i] for i, r in enumerate(raw)]
+            row, cells = [], []
+            for name in names:
+                figure = figures[name].get(key)  # a workload's: figures or error
+                value = figure.get("wall_time") if isinstance(figure, dict) else figure
+                row.append(value)
+                failed = figure is not None and value is None
+                cells.append(
+                    "failed" if failed else "-" if value is None else cell.format(value)
+                )
             ratio = ""
             if base and "mpi:// ipc" in names and None not in row:
                 ratio = f"{row[names.index('mpi:// ipc')] / row[names.index(base)]:.2f}"
-            cells = [
-                (
-                    "failed"
-                    if isinstance(r, dict)
-                    else "-" if r is None else cell.format(r)
-                )
-                for r in raw
-            ]
             print(key, *cells, ratio, sep="  ")
     for name, why in results.get("failed", {}).items():
         print(f"{name}: {why}")

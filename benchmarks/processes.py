@@ -35,11 +35,7 @@ def kill(proc: subprocess.Popen) -> None:
     sessions of their own: a benchmark's child that launched processes); for
     an mpiexec, remove the hwloc file in /tmp that its killed proxy leaves"""
     with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.pid, signal.SIGKILL)  # its session, if it leads one
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+        _kill_descendants(psutil.Process(proc.pid))
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -60,11 +56,18 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 def kill_orphans() -> None:
     """SIGKILL every descendant of this process, and reap them"""
-    children = psutil.Process().children(recursive=True)
-    for child in children:
+    psutil.wait_procs(_kill_descendants(psutil.Process()), timeout=10)
+
+
+def _kill_descendants(process: psutil.Process) -> list[psutil.Process]:
+    """SIGKILL the descendants of ``process``, and the sessions they lead"""
+    descendants = process.children(recursive=True)
+    for child in descendants:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(children, timeout=10)
+    return descendants
 
 
 def remove_leaked_hwloc_files(since: float) -> None:

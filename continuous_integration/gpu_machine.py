@@ -225,35 +225,17 @@ def bundle(ucx_cuda: bool = False, ucxx: bool = False, python: str = PYTHON) -> 
         shutil.rmtree(BUNDLE)
     wheels = BUNDLE / "wheels"
     wheels.mkdir(parents=True)
-    pip = [sys.executable, "-m", "pip"]
     # This project, as the machine's pip would install it: a pure-Python wheel
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", wheels, ROOT], check=True)
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
+    subprocess.run([*pip_wheel, "-w", wheels, ROOT], check=True)
     (wheel,) = wheels.glob("distributed-*.whl")
     # Its dependencies and the tests', for the machine's Python
-    platforms = ["manylinux2014_x86_64", "manylinux_2_17_x86_64"]
-    platforms += ["manylinux_2_28_x86_64"]
-    subprocess.run(
-        [
-            *pip,
-            "download",
-            "-q",
-            "--only-binary=:all:",
-            "--python-version",
-            python,
-            "--implementation",
-            "cp",
-            *[arg for p in platforms for arg in ("--platform", p)],
-            "-d",
-            wheels,
-            wheel,
-            *EXTRA,
-            *([] if python == PYTHON else ["pandas", "pyarrow"]),  # a rehearsal's
-        ],
-        check=True,
-    )
-    if ucxx and python == PYTHON:
-        for numpy in wheels.glob("numpy-*.whl"):  # the GPU machine has it
-            numpy.unlink()
+    rehearsal = [] if python == PYTHON else ["pandas", "pyarrow"]
+    download(wheels, python, wheel, *EXTRA, *rehearsal, deps=True)
+    if ucxx:
+        if python == PYTHON:
+            for numpy in wheels.glob("numpy-*.whl"):  # the GPU machine has it
+                numpy.unlink()
         download(wheels, python, DASK_CUDA)
     # The materialized package with its tests, and the benchmarks
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -273,12 +255,14 @@ def bundle(ucx_cuda: bool = False, ucxx: bool = False, python: str = PYTHON) -> 
         sys.exit("too large for the device tool, which carries 64 MiB in all")
 
 
-def download(into: Path, python: str, *requirements: str) -> None:
-    """Wheels of ``requirements`` alone, for the machine's Python"""
+def download(into: Path, python: str, *requirements, deps: bool = False) -> None:
+    """Wheels of ``requirements`` (and their dependencies, if ``deps``), for
+    the machine's Python"""
     platforms = ["manylinux2014_x86_64", "manylinux_2_17_x86_64"]
     platforms += ["manylinux_2_28_x86_64"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        [sys.executable, "-m", "pip", "download", "-q"]
+        + ([] if deps else ["--no-deps"])
         + ["--only-binary=:all:", "--python-version", python, "--implementation"]
         + ["cp", *[arg for p in platforms for arg in ("--platform", p)]]
         + ["-d", into, *requirements],
