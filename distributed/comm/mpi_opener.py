@@ -15,8 +15,8 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
   connect to another host, MPICH's MPI_Finalize can crash, and only a
   process alone in its job may leave it out); else, of two processes, the
   one whose ``process_id()`` sorts first (``mpi_startup.sorts_first``)
-  accepts.  Ranks of two jobs of
-  several ranks on different hosts do not meet (TCP only);
+  accepts.  Ranks of two jobs of several ranks on different hosts do not
+  meet (TCP only);
 - the acceptor enters MPI first, as soon as it has sent its port name over
   TCP, and gives up after ``channel-timeout``;
 - so the connector connects only to an acceptor that is waiting: at once on

@@ -151,20 +151,19 @@ class SocketStream:
             return
         self._closed, self.error = True, error
         failed = StreamClosedError(error)
+        self._outbox.close(failed)
         # Closed by a finalizer after its event loop (a comm nobody closed):
         # nothing waits any more, and its futures can no longer be resolved
-        live = not self._loop.is_closed()
-        if live:
+        if not self._loop.is_closed():
             self._read_off()
-        self._outbox.close(failed)
+            for fut in [self._waiter, self._raw]:
+                if fut is not None and not fut.done():
+                    fut.set_exception(failed)
+                    fut.exception()  # nobody may wait for it any more
+            for fut in self._closing:
+                if not fut.done():
+                    fut.set_result(b"")
         self.socket.close()
-        for fut in [self._waiter, self._raw] if live else []:
-            if fut is not None and not fut.done():
-                fut.set_exception(failed)
-                fut.exception()  # nobody may wait for it any more
-        for fut in self._closing if live else []:
-            if not fut.done():
-                fut.set_result(b"")
         self._waiter = self._raw = None
         self._closing = []
         if self._close_callback is not None and not self._loop.is_closed():
