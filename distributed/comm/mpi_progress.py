@@ -39,12 +39,19 @@ import dask
 from dask.utils import parse_timedelta
 
 from distributed.comm.core import CommClosedError
-from distributed.comm.mpi_liveness import LocalPeer, death_watch
+from distributed.comm.mpi_liveness import LocalPeer, death_watch, hung_up
 from distributed.comm.mpi_startup import config, get_mpi, mpi_stopped, stop_mpi
+
+# A receive whose writer hung up, and to which MPI delivered nothing for this
+# many seconds, stalled: the sends of a writer that closed its comm go on
+# delivering, those of one that aborted it, or died on another host, never
+# will (rather than wait for stall-timeout)
+HUNG_UP_STALL = 1.0
 
 
 class Stalled(CommClosedError):
-    """A receive to which MPI delivered nothing for ``stall-timeout``"""
+    """A receive to which MPI delivered nothing for ``stall-timeout`` (or
+    :data:`HUNG_UP_STALL`, once its writer hung up)"""
 
 
 class MPIStopped(CommClosedError):
@@ -85,9 +92,12 @@ class _Transfer:
         "stall_after",
         "last",
         "sizes",
+        "socket",
     )
 
-    def __init__(self, requests, keepalive, busy, sender, stall_after, now, sizes):
+    def __init__(
+        self, requests, keepalive, busy, sender, stall_after, now, sizes, socket
+    ):
         self.requests = requests
         self.keepalive = keepalive  # the buffers, until MPI is done with them
         self.busy = busy  # this process moves the data: poll without sleeping
@@ -95,6 +105,7 @@ class _Transfer:
         self.stall_after = stall_after
         self.last = now  # when a request of it last completed
         self.sizes = sizes  # of receives: the bytes each must get
+        self.socket = socket  # of receives awaited: their comm's, to its writer
 
 
 class Orphans:
@@ -277,7 +288,11 @@ class Waited:
         if completed:
             entry.last = now
             return True
-        if entry.stall_after and now - entry.last > entry.stall_after:
+        idle = now - entry.last
+        if entry.stall_after and (
+            idle > entry.stall_after
+            or (idle > HUNG_UP_STALL and entry.socket and hung_up(entry.socket))
+        ):
             self._fail(fut, Stalled("MPI delivered nothing"))
         return False
 
@@ -334,16 +349,22 @@ class ProgressEngine:
         keepalive: Any,
         sender: LocalPeer | None,
         sizes: list[int],
+        socket=None,
     ) -> asyncio.Future:
         """Like :meth:`transfer`, for receives from a peer, which fail should
         the ``sender`` (on this host) die, or a receive get other than its
         size in ``sizes`` (MPI fills a larger receive from a smaller send,
         silently).  The peer posted its sends as it wrote the message's head,
-        so a receive that gets nothing for ``stall-timeout`` means that MPI
-        stopped delivering: it fails with :class:`Stalled`"""
-        return self._add(requests, keepalive, True, sender, self.stall_timeout, sizes)
+        so a receive that gets nothing for ``stall-timeout``, or for
+        :data:`HUNG_UP_STALL` once the peer hung up its end of ``socket``
+        (the comm's), means that MPI stopped delivering: it fails with
+        :class:`Stalled`"""
+        stall = self.stall_timeout
+        return self._add(requests, keepalive, True, sender, stall, sizes, socket)
 
-    def _add(self, requests, keepalive, busy, sender, stall_after, sizes=None):
+    def _add(
+        self, requests, keepalive, busy, sender, stall_after, sizes=None, socket=None
+    ):
         fut = self._loop.create_future()
         try:
             self.drop_dead_senders()  # just before MPI may start to copy
@@ -360,7 +381,9 @@ class ProgressEngine:
                 fut.set_result(None)
             return fut
         now = self._loop.time()
-        entry = _Transfer(requests, keepalive, busy, sender, stall_after, now, sizes)
+        entry = _Transfer(
+            requests, keepalive, busy, sender, stall_after, now, sizes, socket
+        )
         self._waited.entries[fut] = entry
         fut.add_done_callback(self._abandon_if_cancelled)
         if sizes:
@@ -406,6 +429,7 @@ class ProgressEngine:
         entry = self._waited.entries.pop(fut, None)
         if entry is not None and drain and entry.sender is not None:
             entry.busy = False  # nobody waits for it
+            entry.socket = None  # closed at this end: stall-timeout alone
             self._waited.entries[self._loop.create_future()] = entry
         elif entry is not None:
             if mpi_stopped() is None:

@@ -74,7 +74,9 @@ class Transfers:
             requests = [start([c, MPI.BYTE], channel.rank, tag) for c in chunks]
             if receive:
                 sizes = [nbytes(c) for c in chunks]
-                fut = engine.receive(requests, chunks, channel.sender, sizes)
+                fut = engine.receive(
+                    requests, chunks, channel.sender, sizes, self._socket
+                )
                 self._receives.add(fut)
                 fut.add_done_callback(self._receives.discard)
             else:
