@@ -379,6 +379,85 @@ def test_processes_exit_cleanly_after_moving_data_across_hosts(
                 server.kill()
 
 
+DIES_WRITING = """
+import asyncio, os, sys, time
+import numpy as np
+from distributed.comm import CommClosedError, connect, listen
+from distributed.protocol import to_serialize
+
+async def serve(path, host):
+    async def write(comm):
+        while True:
+            msg = await comm.read()
+            await comm.write({"x": to_serialize(np.ones(msg["size"], "u1"))})
+            if msg.get("last"):
+                # Its sends posted, and never pushed on: the test kills it here
+                open(path + ".writing", "w").close()
+                time.sleep(120)
+    async with listen(f"mpi://{host}:0", write) as listener:
+        with open(path + ".tmp", "w") as f:
+            f.write(listener.contact_address)
+        os.rename(path + ".tmp", path)
+        await asyncio.sleep(120)
+
+async def client(path):
+    while not os.path.exists(path):
+        await asyncio.sleep(0.05)
+    with open(path) as f:
+        comm = await connect(f.read())
+    for _ in range(100):  # the channel opens in the background
+        await comm.write({"size": 2**22})
+        await comm.read()
+        if comm.channel is not None and comm.channel.nbytes >= 2**24:
+            break
+    else:
+        raise AssertionError("no MPI channel")
+    await comm.write({"size": 2**28, "last": True})
+    start = time.monotonic()
+    try:
+        await comm.read()
+    except CommClosedError as e:
+        print(f"FAILED after {time.monotonic() - start:.1f} s: {e}", flush=True)
+
+asyncio.run(serve(*sys.argv[2:]) if sys.argv[1] == "serve" else client(sys.argv[2]))
+"""
+
+
+def test_a_read_from_a_writer_killed_on_another_host_fails_soon(
+    simulated_hosts, tmp_path
+):
+    """A writer on another host killed while the reader waits for its frames
+    over MPI: nothing else says it died, its socket tells, and the read fails
+    a second after nothing more came, not after ``stall-timeout``"""
+    hosts = simulated_hosts(2)
+    a, b = hosts.names
+    path = str(tmp_path / "address")
+    python = os.path.realpath(sys.executable)
+    env = {**_env(), "DASK_DISTRIBUTED__COMM__MPI__STALL_TIMEOUT": "90s"}
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "env": env}
+    run = [mpiexec_command(), "-n", "1", sys.executable, "-c", DIES_WRITING]
+    with hosts.popen(a, [*run, "serve", path, hosts.address(a)], **output) as writer:
+        with hosts.popen(b, [*run, "client", path], **output) as reader:
+            try:
+                try:
+                    wait_for_file(path + ".writing", reader, timeout=60)
+                except (RuntimeError, TimeoutError):
+                    reader.kill()
+                    out = reader.communicate()[0].decode(errors="replace")
+                    if crash := known_mpi_crash(out):
+                        pytest.xfail(crash)
+                    raise AssertionError(out)
+                [victim] = [p for p in hosts.processes(a) if p.exe() == python]
+                victim.kill()
+                out = reader.communicate(timeout=60)[0].decode(errors="replace")
+            finally:
+                reader.kill()
+                writer.kill()
+    assert "FAILED after" in out, out
+    seconds = float(out.split("FAILED after ")[1].split()[0])
+    assert seconds < 30, out
+
+
 def test_job_and_worker_alone_on_other_hosts_shut_down_cleanly(
     simulated_hosts, tmp_path
 ):
