@@ -127,7 +127,7 @@ async def _handshake(stream, dial: str | None = None) -> _Link | None:
         handshake.log_refusal(message)
         raise FatalCommClosedError(message) from e
     if peer.open is not None and dial is None:
-        if not (peer.open and await opener.open(stream, peer)):
+        if not (peer.open and await opener.answer(stream, peer)):
             stream.close()
         return None  # the channel keeps the stream
     if peer.process == mpi_startup.process_id():

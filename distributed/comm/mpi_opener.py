@@ -33,6 +33,7 @@ run on the event loop, under rules that keep MPICH alive when a peer dies:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -110,11 +111,14 @@ class Opener:
         self.channels = channels
         self._lock = threading.Lock()  # for the two below: any thread
         self._opening: dict[str, asyncio.Task] = {}  # by peer process
+        # The peers whose dials for a channel this process is answering
+        self._answering: collections.Counter[str] = collections.Counter()
         self._ports: dict[str, str] = {}  # open_port()'s, as MPI opened them
 
     def sizes(self) -> dict[str, int]:
         """How many channels it is opening, and ports it holds open"""
-        return {"opening": len(self._opening), "ports": len(self._ports)}
+        opening = self._opening.keys() | self._answering.keys()
+        return {"opening": len(opening), "ports": len(self._ports)}
 
     def may_accept(self, peer: Peer) -> bool:
         """Whether to open the channel that the process of this hello came
@@ -127,9 +131,14 @@ class Opener:
 
     def open_soon(self, address: str, peer: Peer) -> None:
         """Open a channel to the process listening at ``address``, in the
-        background, unless one is open or opening"""
+        background, unless one is open or opening (at either end's dial: a
+        second would cost another MPI connect, one of them kept)"""
         process = peer.process
-        if self.channels.get(process) or process in self._opening:
+        if (
+            self.channels.get(process)
+            or process in self._opening
+            or process in self._answering
+        ):
             return
         if not self.channels.may_open(peer):
             return
@@ -141,6 +150,19 @@ class Opener:
     def _opened(self, process: str) -> None:
         with self._lock:
             self._opening.pop(process, None)
+
+    async def answer(self, stream, peer: Peer) -> Channel | None:
+        """Open the channel that ``peer`` dialled this process for (see
+        :meth:`open`)"""
+        with self._lock:
+            self._answering[peer.process] += 1
+        try:
+            return await self.open(stream, peer)
+        finally:
+            with self._lock:
+                self._answering[peer.process] -= 1
+                if not self._answering[peer.process]:
+                    del self._answering[peer.process]
 
     async def _dial(self, address: str, peer: Peer) -> None:
         timeout = parse_timedelta(config("channel-timeout"))

@@ -536,6 +536,52 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
                 await comm.close()
 
 
+@gen_test(timeout=120)
+async def test_a_process_answering_a_peers_dial_dials_it_for_no_second_channel(
+    channel_for_host_frames, tmp_path, monkeypatch
+):
+    """The peer dials this process for a channel; while this process opens
+    it, it writes large frames to the peer on a comm it dialled itself: that
+    channel is opening already, and a second would cost another MPI connect
+    (across hosts, each a chance for MPICH's bugs), one of the two kept"""
+    open_channel, dial, dialled = mpi_opener.Opener.open, mpi_opener.Opener._dial, []
+
+    async def open_late(self, stream, peer):
+        await asyncio.sleep(1)
+        return await open_channel(self, stream, peer)
+
+    async def counted(self, address, peer):
+        dialled.append(peer.process)
+        await dial(self, address, peer)
+
+    monkeypatch.setattr(mpi_opener.Opener, "open", open_late)
+    monkeypatch.setattr(mpi_opener.Opener, "_dial", counted)
+
+    async def echo(comm):
+        with contextlib.suppress(CommClosedError):
+            while True:
+                await comm.write(await comm.read())
+
+    large = to_serialize(np.ones(8_000_000, "u1"))
+    async with listen("mpi://127.0.0.1:0", echo) as listener:
+        path = str(tmp_path / "address")
+        with mpiexec([*PEER, "serve", path]) as proc:
+            comm = await connect(wait_for_file(path, proc))
+            peer = comm.peer.process
+            # It dials back with large frames, and so dials for a channel
+            cross = {"op": "cross", "address": listener.contact_address}
+            await comm.write({**cross, "size": 8_000_000})
+            await async_poll_for(lambda: mpi_opener.opener.sizes()["opening"], 30)
+            await comm.write({"x": large})
+            assert await comm.read() == {"crossed": True}
+            assert (await comm.read())["x"].sum() == 8_000_000
+            await async_poll_for(lambda: mpi_channel.channels.get(peer), 30)
+            await comm.write({"op": "channel"})
+            assert (await comm.read())["channel"] == mpi_channel.channels.get(peer).id
+            assert dialled == []
+            await comm.close()
+
+
 def _can_unshare_pid() -> bool:
     try:
         return (
