@@ -109,7 +109,7 @@ class Opener:
 
     def __init__(self, channels: Channels):
         self.channels = channels
-        self._lock = threading.Lock()  # for the two below: any thread
+        self._lock = threading.Lock()  # for the three below: any thread
         self._opening: dict[str, asyncio.Task] = {}  # by peer process
         # The peers whose dials for a channel this process is answering
         self._answering: collections.Counter[str] = collections.Counter()
@@ -117,7 +117,8 @@ class Opener:
 
     def sizes(self) -> dict[str, int]:
         """How many channels it is opening, and ports it holds open"""
-        opening = self._opening.keys() | self._answering.keys()
+        with self._lock:
+            opening = self._opening.keys() | self._answering.keys()
         return {"opening": len(opening), "ports": len(self._ports)}
 
     def may_accept(self, peer: Peer) -> bool:
