@@ -331,6 +331,19 @@ def ucx_complaints(output: str) -> list[str]:
     ]
 
 
+def wait_or_explain(path: str, proc: subprocess.Popen) -> None:
+    """Wait for ``proc`` to write ``path``; else kill it, and xfail on a
+    known crash of MPICH's, or fail with its output"""
+    try:
+        wait_for_file(path, proc, timeout=60)
+    except (RuntimeError, TimeoutError):
+        proc.kill()
+        out = proc.communicate()[0].decode(errors="replace")
+        if crash := known_mpi_crash(out):
+            pytest.xfail(crash)
+        raise AssertionError(out)
+
+
 @pytest.mark.parametrize("peer", ["exits", "killed"])
 def test_processes_exit_cleanly_after_moving_data_across_hosts(
     simulated_hosts, tmp_path, peer
@@ -353,14 +366,7 @@ def test_processes_exit_cleanly_after_moving_data_across_hosts(
     with hosts.popen(a, serve, env=_env(), **output) as server:
         with hosts.popen(b, [*run, "client", path], env=_env(), **output) as client:
             try:
-                try:
-                    wait_for_file(path + ".moved", client, timeout=60)
-                except (RuntimeError, TimeoutError):
-                    client.kill()
-                    out = client.communicate()[0].decode(errors="replace")
-                    if crash := known_mpi_crash(out):
-                        pytest.xfail(crash)
-                    raise AssertionError(out)
+                wait_or_explain(path + ".moved", client)
                 if peer == "killed":
                     [victim] = [p for p in hosts.processes(a) if p.exe() == python]
                     victim.kill()
@@ -439,14 +445,7 @@ def test_a_read_from_a_writer_killed_on_another_host_fails_soon(
     with hosts.popen(a, [*run, "serve", path, hosts.address(a)], **output) as writer:
         with hosts.popen(b, [*run, "client", path], **output) as reader:
             try:
-                try:
-                    wait_for_file(path + ".writing", reader, timeout=60)
-                except (RuntimeError, TimeoutError):
-                    reader.kill()
-                    out = reader.communicate()[0].decode(errors="replace")
-                    if crash := known_mpi_crash(out):
-                        pytest.xfail(crash)
-                    raise AssertionError(out)
+                wait_or_explain(path + ".writing", reader)
                 [victim] = [p for p in hosts.processes(a) if p.exe() == python]
                 victim.kill()
                 out = reader.communicate(timeout=60)[0].decode(errors="replace")

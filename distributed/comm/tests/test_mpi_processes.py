@@ -483,6 +483,13 @@ async def test_a_channel_released_at_one_end_is_released_at_the_other(
     await comm.close()
 
 
+async def echo(comm):
+    """Send back every message, until the comm closes (a listener's)"""
+    with contextlib.suppress(CommClosedError):
+        while True:
+            await comm.write(await comm.read())
+
+
 @gen_test(timeout=120)
 async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
     channel_for_host_frames, tmp_path, monkeypatch
@@ -503,11 +510,6 @@ async def test_two_processes_dialling_each_other_at_once_keep_one_channel(
             asyncio.get_running_loop().call_later(0.3, publish, self, channel)
 
     monkeypatch.setattr(mpi_channel.Channels, "publish", publish_the_first_late)
-
-    async def echo(comm):
-        with contextlib.suppress(CommClosedError):
-            while True:
-                await comm.write(await comm.read())
 
     large = to_serialize(np.ones(8_000_000, "u1"))
     async with listen("mpi://127.0.0.1:0", echo) as listener:
@@ -556,11 +558,6 @@ async def test_a_process_answering_a_peers_dial_dials_it_for_no_second_channel(
 
     monkeypatch.setattr(mpi_opener.Opener, "open", open_late)
     monkeypatch.setattr(mpi_opener.Opener, "_dial", counted)
-
-    async def echo(comm):
-        with contextlib.suppress(CommClosedError):
-            while True:
-                await comm.write(await comm.read())
 
     large = to_serialize(np.ones(8_000_000, "u1"))
     async with listen("mpi://127.0.0.1:0", echo) as listener:
