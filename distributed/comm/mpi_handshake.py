@@ -16,7 +16,7 @@ import json
 import logging
 import struct
 
-from distributed.comm import mpi_gpu, mpi_policy, mpi_startup
+from distributed.comm import mpi_gpu, mpi_library, mpi_policy, mpi_startup
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi_liveness import beacon, hung_up, pid_namespace
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!8sI")  # before each message: MAGIC, its length
 MAGIC = b"DASK-MPI"
-PROTOCOL = 11  # both ends must speak the same
+PROTOCOL = 12  # both ends must speak the same
 MAX_SIZE = 64 * 1024
 
 
@@ -73,6 +73,7 @@ class Peer:
     pid_namespace: int | None
     rdma: bool  # its host has an RDMA network up
     stopped: bool  # it calls MPI no more
+    ports: bool  # it may open MPI ports (mpi_library.no_ports)
     gpu: dict | None  # mpi_gpu.hello: None without a GPU
     unreachable: frozenset[str] = frozenset()  # the processes it gave up on
     chunk_size: int | None = None  # of its MPI pieces
@@ -113,6 +114,7 @@ class Peer:
             pid_namespace=_int_or_none(hello.get("pid_namespace")),
             rdma=hello.get("rdma") is True,
             stopped=bool(hello.get("stopped")),
+            ports=hello.get("ports") is True,
             gpu=hello.get("gpu") if isinstance(hello.get("gpu"), dict) else None,
             unreachable=frozenset(map(str, hello.get("unreachable", ()))),
             chunk_size=_int_or_none(chunk_size) if chunk_size else None,
@@ -165,6 +167,7 @@ def hello() -> dict:
         "pid_namespace": pid_namespace(),
         "rdma": mpi_policy.rdma(),
         "stopped": mpi_startup.mpi_stopped() is not None,  # calls MPI no more
+        "ports": mpi_library.no_ports() is None,
         "gpu": mpi_gpu.hello(mpi_startup.get_mpi()),
     }
 

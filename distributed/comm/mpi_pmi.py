@@ -38,17 +38,20 @@ _USER = "DASK_MPI_PMI_USER"
 _manager: _SelfManager | None = None  # when this process serves itself
 
 
-def prepare_environment(MPI) -> None:
+def prepare_environment(MPI) -> bool:
     """Call before MPI_Init: make the process manager variables this
-    process's own, serving them from a thread when nobody else does"""
+    process's own, serving them from a thread when nobody else does;
+    whether a launcher started this process (or MPI is running already)"""
     global _manager
     env = os.environ
-    if not MPI.Is_initialized() and not _has_process_manager():
+    launched = MPI.Is_initialized() or _has_process_manager()
+    if not launched:
         for key in [k for k in env if k.startswith(("PMI_", "PMIX_"))]:
             del env[key]
         if MPI.Get_library_version().startswith("MPICH"):
             _manager = _SelfManager()
     env[_USER] = str(os.getpid())
+    return launched
 
 
 def _has_process_manager() -> bool:

@@ -23,7 +23,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from distributed.comm import mpi_gpu, mpi_ipc, mpi_startup
+from distributed.comm import mpi_gpu, mpi_ipc, mpi_library, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
 
 if TYPE_CHECKING:
@@ -40,6 +40,10 @@ def mpi_refusal(peer: Peer) -> str | None:
     if open_mpi_apart(peer):
         _warn_open_mpi_apart()
         return "Open MPI cannot connect processes of different jobs"
+    if not same_world(peer) and (mpi_library.no_ports() or not peer.ports):
+        if mpi_library.no_ports():
+            _warn_no_ports(mpi_library.no_ports())
+        return "MPI cannot open ports at one end"
     if tcp_between_hosts(peer):
         _log_tcp_between_hosts(mpi_startup.config("across-hosts"))
         return "across-hosts keeps frames between hosts on TCP"
@@ -198,6 +202,16 @@ def _warn_open_mpi_apart() -> None:
         "comms between them move their data over TCP. Start them all in one "
         "mpiexec job, workers with --no-nanny (dask-mpi: --worker-class "
         "distributed.Worker), or use MPICH"
+    )
+
+
+@functools.cache
+def _warn_no_ports(why: str) -> None:
+    logger.warning(
+        "%s: comms between this process and processes of other mpiexec jobs, "
+        "or started without mpiexec (as a nanny's worker is), move their data "
+        "over TCP",
+        why,
     )
 
 

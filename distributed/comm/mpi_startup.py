@@ -33,7 +33,7 @@ import dask
 import psutil
 from dask.utils import parse_bytes
 
-from distributed.comm import mpi_pmi
+from distributed.comm import mpi_library, mpi_pmi
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def start_mpi() -> concurrent.futures.Future:
 
             # Now, not in the helper thread: a nanny may start its worker
             # process next, and that inherits the environment
-            mpi_pmi.prepare_environment(MPI)
+            launched = mpi_pmi.prepare_environment(MPI)
             if not MPI.Is_initialized():
                 _configure_ucx()
             _this.init = concurrent.futures.Future()
@@ -97,7 +97,10 @@ def start_mpi() -> concurrent.futures.Future:
             _this.init.set_running_or_notify_cancel()
             # A daemon: a rank whose job-mates never start MPI can still exit
             threading.Thread(
-                target=_run_init, args=(_this.init,), name="MPI-init", daemon=True
+                target=_run_init,
+                args=(_this.init, launched),
+                name="MPI-init",
+                daemon=True,
             ).start()
     return _this.init
 
@@ -109,16 +112,18 @@ def _configure_ucx() -> None:
     os.environ.setdefault("UCX_CMA_SEG_SIZE", str(parse_bytes(config("chunk-size"))))
 
 
-def _run_init(fut: concurrent.futures.Future) -> None:
+def _run_init(fut: concurrent.futures.Future, launched: bool) -> None:
     try:
-        fut.set_result(_initialize())
+        fut.set_result(_initialize(launched))
     except BaseException as e:
         fut.set_exception(e)
 
 
-def _initialize():
+def _initialize(launched: bool):
     from mpi4py import MPI
 
+    # Here, not on the event loop: it may ask a child process (Intel MPI)
+    mpi_library.prepare(MPI, launched)
     if not MPI.Is_initialized():
         before = _open_mpi_session_dirs(MPI)
         # mpi4py would hold the GIL in MPI_Init and MPI_Finalize; ctypes lets
