@@ -1,0 +1,128 @@
+"""The MPI libraries that clusters run, each the way it can be launched, with
+every frame between workers taking MPI where the library allows it
+(``local-copy: false``): results right, every process exits 0, none dies of
+a signal, and frames go over MPI where the library can carry them, else
+over TCP, said in the log (see :mod:`mpi_library_cluster`).
+
+MPICH is this environment's.  Intel MPI and Open MPI run in environments of
+their own, which ``.ci/run`` makes: ``.venv-impi`` (``pip install mpi4py
+impi-rt -e ".[test]"``, or $MPI4DASK_IMPI_PYTHON) and ``.venv-openmpi``
+(see ``test_mpi_hosts``); without one, its cases skip, saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mpi4py")
+
+from distributed.comm.tests.mpi_processes import _env
+from distributed.comm.tests.test_mpi_hosts import OPENMPI_ENV, openmpi_python
+
+pytestmark = pytest.mark.timeout(200)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+IMPI_PYTHON = "MPI4DASK_IMPI_PYTHON"
+
+# Where frames between workers travel, by library and way; for TCP, what the
+# log says of why
+NO_PORTS = "comms between this process and processes of other mpiexec jobs"
+OPEN_MPI_APART = "Open MPI cannot connect processes of different mpiexec jobs"
+CASES = {
+    "MPICH": {
+        "job": "MPI",
+        "job-nanny": "MPI",
+        "apart": "MPI",
+        "dask-mpi": "MPI",
+        "local": "MPI",
+    },
+    # Its shared-memory fabric for ranks of one job; no RDMA network here for
+    # processes of different jobs (see distributed.comm.mpi_library)
+    "Intel MPI": {
+        "job": "MPI",
+        "job-nanny": NO_PORTS,
+        "apart": "MPI",  # the two workers are ranks of one job
+        "dask-mpi": "MPI",
+        "local": NO_PORTS,
+    },
+    "Open MPI": {
+        "job": "MPI",
+        "job-nanny": OPEN_MPI_APART,
+        "apart": "MPI",
+        "dask-mpi": "MPI",
+        "local": OPEN_MPI_APART,
+    },
+}
+
+
+@functools.cache
+def impi_python() -> tuple[str | None, str]:
+    """The Python of an environment with mpi4py on Intel MPI, or None and why"""
+    default = os.path.join(ROOT, ".venv-impi", "bin", "python")
+    python = os.environ.get(IMPI_PYTHON) or default
+    if not os.path.exists(python):
+        return None, (
+            f"no Intel MPI environment: set ${IMPI_PYTHON} to the Python of one "
+            f'(pip install mpi4py impi-rt -e ".[test]"), or make {default}'
+        )
+    code = "import mpi4py, numpy, distributed; mpi4py.rc.initialize = False; "
+    code += "from mpi4py import MPI; print(MPI.Get_library_version())"
+    proc = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, env=_env(python)
+    )
+    if proc.returncode or not proc.stdout.startswith("Intel(R) MPI"):
+        found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
+        return None, f"{python} has no mpi4py on Intel MPI: {' '.join(found)}"
+    return python, ""
+
+
+def library_python(library: str) -> tuple[str, dict]:
+    """The Python of ``library``'s environment, and the variables it needs;
+    the test skips without one"""
+    if library == "MPICH":
+        return sys.executable, {}
+    python, reason = impi_python() if library == "Intel MPI" else openmpi_python()
+    if python is None:
+        pytest.skip(reason)
+    if library == "Intel MPI":
+        return python, {}
+    # More ranks than cores
+    return python, {**OPENMPI_ENV, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+@pytest.mark.parametrize("way", list(CASES["MPICH"]))
+@pytest.mark.parametrize("library", list(CASES))
+def test_library_and_way(library, way, tmp_path):
+    if way == "dask-mpi":
+        pytest.importorskip("dask_mpi")
+    python, env = library_python(library)
+    proc = subprocess.run(
+        [python, "-m", "distributed.comm.tests.mpi_library_cluster", way, tmp_path],
+        env={**_env(python), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
+    )
+    logs = proc.stdout
+    for path in sorted(glob.glob(f"{tmp_path}/*.log")):
+        with open(path) as f:
+            logs += f.read()
+    assert "Segmentation fault" not in logs and "signal 11" not in logs, logs
+    assert proc.returncode == 0, logs
+    report = json.loads(proc.stdout.rsplit("REPORT ", 1)[1])
+    assert report["right"], logs
+    assert report["codes"] == [0] * len(report["codes"]), logs
+    expected = CASES[library][way]
+    if expected == "MPI":
+        assert report["moved"] > 0, logs
+    else:
+        assert report["moved"] == 0, logs
+        assert expected in logs, logs
