@@ -71,7 +71,7 @@ class Peer:
     world: tuple[str, int] | None  # its mpiexec job and rank; None: alone
     beacon: int | None  # where peers on its host read its liveness
     pid_namespace: int | None
-    rdma: bool  # its host has an RDMA network up
+    rdma: str | None  # the RDMA network up on its host (mpi_policy.rdma)
     stopped: bool  # it calls MPI no more
     ports: bool  # it may open MPI ports (mpi_library.no_ports)
     gpu: dict | None  # mpi_gpu.hello: None without a GPU
@@ -112,7 +112,7 @@ class Peer:
             world=world,
             beacon=_int_or_none(hello.get("beacon")),
             pid_namespace=_int_or_none(hello.get("pid_namespace")),
-            rdma=hello.get("rdma") is True,
+            rdma=hello["rdma"] if isinstance(hello.get("rdma"), str) else None,
             stopped=bool(hello.get("stopped")),
             ports=hello.get("ports") is True,
             gpu=hello.get("gpu") if isinstance(hello.get("gpu"), dict) else None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import glob
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -89,17 +90,21 @@ def across_hosts() -> str:
 
 
 @functools.cache
-def rdma() -> bool:
-    """Whether this host has an RDMA network port up (InfiniBand, RoCE,
-    Omni-Path, EFA: what MPI uses between hosts instead of TCP)"""
-    for path in glob.glob("/sys/class/infiniband/*/ports/*/state"):
+def rdma(sysfs: str = "/sys") -> str | None:
+    """The RDMA network up on this host (what MPI uses between hosts instead
+    of TCP), named by its kind and device: a port up in
+    ``/sys/class/infiniband`` (InfiniBand, RoCE, Omni-Path, EFA), or an HPE
+    Slingshot NIC (``/sys/class/cxi``, libfabric's cxi provider); None
+    without one"""
+    for path in sorted(glob.glob(f"{sysfs}/class/infiniband/*/ports/*/state")):
         try:
             with open(path) as f:
                 if "ACTIVE" in f.read():
-                    return True
+                    return f"infiniband {path.split('/')[-4]}"
         except OSError:
             pass
-    return False
+    cxi = sorted(glob.glob(f"{sysfs}/class/cxi/cxi*"))
+    return f"slingshot {os.path.basename(cxi[0])}" if cxi else None
 
 
 def other_host(peer: Peer) -> bool:

@@ -2,8 +2,10 @@
 
 Prints the MPI library, the GPUs, CuPy, RMM and Numba this process sees,
 whether MPI is CUDA-aware and how that was decided, how GPU frames will
-travel (see ``distributed.comm.mpi_gpu``), and whether processes of this
-host may copy large frames from each other's memory (``mpi_copy``).
+travel (see ``distributed.comm.mpi_gpu``), whether processes of this
+host may copy large frames from each other's memory (``mpi_copy``), and
+whether frames to other hosts and to processes of other jobs take MPI
+(``mpi_policy``, ``mpi_library``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from distributed.comm import mpi_gpu, mpi_policy, mpi_startup
+from distributed.comm import mpi_gpu, mpi_library, mpi_policy, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, beacon
 
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
@@ -86,14 +88,25 @@ def _across_hosts() -> str:
         return "over MPI (across-hosts: mpi)"
     if setting == "auto" and mpi_policy.rdma():
         return (
-            "over MPI to hosts with an RDMA port up too (this one has one), "
-            "else over TCP"
+            f"over MPI to hosts with an RDMA network up too (this one has "
+            f"{mpi_policy.rdma()}), else over TCP"
         )
-    why = "across-hosts: tcp" if setting == "tcp" else "no RDMA port up here"
+    why = "across-hosts: tcp" if setting == "tcp" else "no RDMA network up here"
     return (
         f"over TCP, GPU frames as host frames ({why}; on a fabric with no "
-        "device in /sys/class/infiniband, set across-hosts: mpi)"
+        "device in /sys/class/infiniband nor /sys/class/cxi, set "
+        "across-hosts: mpi)"
     )
+
+
+def _other_jobs() -> str:
+    """Whether frames to processes of other jobs may travel over MPI"""
+    if mpi_startup.library().startswith("Open MPI"):
+        return "over TCP: Open MPI cannot connect processes of different jobs"
+    if why := mpi_library.no_ports():
+        return f"over TCP: {why}"
+    network = mpi_library.network()
+    return "over MPI" + (f" (libfabric provider {network})" if network else "")
 
 
 def main() -> None:
@@ -127,9 +140,10 @@ def main() -> None:
         ("GPU frames", frames),
         ("Copies on this host", _copies()),
         ("Frames across hosts", _across_hosts()),
+        ("Frames to other jobs", _other_jobs()),
     ]
     for name, value in rows:
-        print(f"{name + ':':20} {value}")
+        print(f"{name + ':':22} {value}")
 
 
 if __name__ == "__main__":

@@ -222,6 +222,23 @@ def test_local_peer_knows_when_its_process_died():
         assert LocalPeer.find(Peer.parse({**hello, "pid_namespace": -1})) is None
 
 
+def test_rdma_networks_on_a_fake_sysfs_tree(tmp_path):
+    """``across-hosts: auto`` takes MPI between hosts with an InfiniBand
+    (RoCE, Omni-Path, EFA) port up, or a Slingshot NIC, and names it"""
+    ports = tmp_path / "class" / "infiniband" / "mlx5_1" / "ports"
+    for port, state in [(1, "1: DOWN"), (2, "4: ACTIVE")]:
+        (ports / str(port)).mkdir(parents=True)
+        (ports / str(port) / "state").write_text(state)
+    assert mpi_policy.rdma(str(tmp_path)) == "infiniband mlx5_1"
+    (ports / "2" / "state").write_text("1: DOWN")
+    mpi_policy.rdma.cache_clear()
+    assert mpi_policy.rdma(str(tmp_path)) is None
+    (tmp_path / "class" / "cxi" / "cxi0").mkdir(parents=True)
+    mpi_policy.rdma.cache_clear()
+    assert mpi_policy.rdma(str(tmp_path)) == "slingshot cxi0"
+    mpi_policy.rdma.cache_clear()
+
+
 @gen_test()
 async def test_across_hosts_setting():
     await mpi_startup.mpi_ready()
@@ -231,12 +248,12 @@ async def test_across_hosts_setting():
     def tcp_between_hosts(hello):
         return mpi_policy.tcp_between_hosts(Peer.parse(hello))
 
-    assert tcp_between_hosts(there) is not (here["rdma"] and there["rdma"])
+    assert tcp_between_hosts(there) is not bool(here["rdma"] and there["rdma"])
     assert not tcp_between_hosts(here)  # this host: always MPI
     with dask.config.set({"distributed.comm.mpi.across-hosts": "mpi"}):
-        assert not tcp_between_hosts({**there, "rdma": False})
+        assert not tcp_between_hosts({**there, "rdma": None})
     with dask.config.set({"distributed.comm.mpi.across-hosts": "tcp"}):
-        assert tcp_between_hosts({**there, "rdma": True})
+        assert tcp_between_hosts({**there, "rdma": "infiniband mlx5_0"})
         assert not tcp_between_hosts(here)
     with dask.config.set({"distributed.comm.mpi.across-hosts": "sometimes"}):
         with pytest.raises(ValueError, match="auto, mpi or tcp, not 'sometimes'"):
