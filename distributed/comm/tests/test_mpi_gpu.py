@@ -99,8 +99,10 @@ def test_probe_says_what_mpi_will_do():
         "GPU frames",
         "Copies on this host",
         "Frames across hosts",
+        "Frames to other jobs",
     }
     assert rows["MPI library"].strip().startswith(mpi_startup.library())
+    assert rows["Frames to other jobs"].strip() == "over MPI"  # MPICH
     assert rows["Copies on this host"].strip().startswith(("yes", "no"))
     rows = probe(DASK_DISTRIBUTED__COMM__MPI__LOCAL_COPY="False")
     assert rows["Copies on this host"].strip().startswith("no (local-copy: false)")

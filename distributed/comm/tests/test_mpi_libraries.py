@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
+from distributed.comm import mpi_policy
 from distributed.comm.tests.mpi_processes import _env
 from distributed.comm.tests.test_mpi_hosts import OPENMPI_ENV, openmpi_python
 
@@ -126,3 +127,31 @@ def test_library_and_way(library, way, tmp_path):
     else:
         assert report["moved"] == 0, logs
         assert expected in logs, logs
+
+
+def test_the_probe_says_why_intel_mpi_connects_no_jobs_here():
+    """Without an RDMA network, Intel MPI processes of different jobs move
+    their frames over TCP, and ``mpi_probe`` says why; a rank of a job on
+    one host has Intel MPI's shared-memory fabric alone"""
+    python, env = library_python("Intel MPI")
+    if mpi_policy.rdma():
+        pytest.skip(f"this host has an RDMA network ({mpi_policy.rdma()})")
+
+    def other_jobs(*launcher: str) -> str:
+        out = subprocess.run(
+            [*launcher, python, "-m", "distributed.comm.mpi_probe"],
+            env={**_env(python), **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        return dict(line.split(":", 1) for line in out.splitlines())[
+            "Frames to other jobs"
+        ].strip()
+
+    alone = other_jobs()
+    assert alone.startswith("over TCP: Intel MPI's OFI fabric has no RDMA"), alone
+    mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
+    in_a_job = other_jobs(mpiexec, "-n", "2")
+    assert "shared-memory fabric alone" in in_a_job, in_a_job
