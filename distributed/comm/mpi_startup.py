@@ -347,6 +347,9 @@ def _hydra_job() -> str | None:
                         args[args.index("--pgid") + 1] if "--pgid" in args[:-1] else 0
                     )
                     return f"hydra/{port}/{pgid}"
+                # Intel MPI's Hydra names its job in every rank's environment
+                if uuid := os.environ.get("I_MPI_HYDRA_UUID"):
+                    return f"hydra/{uuid}"
                 # Another Hydra: its proxy on this host, at least
                 return f"hydra/{socket.gethostname()}/{parent.pid}"
     return None

