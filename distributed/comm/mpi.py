@@ -54,7 +54,8 @@ from distributed.comm.addressing import (
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.comm.mpi_buffers import socket_buffer
 from distributed.comm.mpi_channel import Channel, channels
-from distributed.comm.mpi_handshake import Peer, peer_gone
+from distributed.comm.mpi_handshake import peer_gone
+from distributed.comm.mpi_hello import Peer
 from distributed.comm.mpi_head import Head
 from distributed.comm.mpi_lending import Lender
 from distributed.comm.mpi_opener import opener

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from distributed.comm.mpi_startup import process_id
 
 if TYPE_CHECKING:
-    from distributed.comm.mpi_handshake import Peer
+    from distributed.comm.mpi_hello import Peer
 
 
 class _IOVec(ctypes.Structure):

@@ -62,7 +62,7 @@ from distributed.comm.mpi_startup import (
 from distributed.comm.mpi_stream import SocketStream
 
 if TYPE_CHECKING:
-    from distributed.comm.mpi_handshake import Peer
+    from distributed.comm.mpi_hello import Peer
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which routes two processes may use for their large frames.
 
 Every rule about a pair of processes is here, asked of the peer that a
-handshake describes (``mpi_handshake.Peer``) and of this process:
+handshake describes (``mpi_hello.Peer``) and of this process:
 
 - whether the two may open an MPI channel at all (:func:`mpi_refusal`):
   not where the MPI library cannot connect them, or is known to crash doing
@@ -28,7 +28,7 @@ from distributed.comm import mpi_gpu, mpi_ipc, mpi_library, mpi_startup
 from distributed.comm.mpi_liveness import LocalPeer, pid_namespace
 
 if TYPE_CHECKING:
-    from distributed.comm.mpi_handshake import Peer
+    from distributed.comm.mpi_hello import Peer
 
 logger = logging.getLogger(__name__)
 

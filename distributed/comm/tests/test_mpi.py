@@ -40,7 +40,8 @@ from distributed.comm import mpi_buffers, mpi_handshake, mpi_policy, mpi_startup
 from distributed.comm import mpi_stream
 from distributed.comm.core import FatalCommClosedError
 from distributed.comm.mpi_head import Head
-from distributed.comm.mpi_handshake import HEADER, MAGIC, PROTOCOL, Peer
+from distributed.comm.mpi_handshake import HEADER, MAGIC
+from distributed.comm.mpi_hello import PROTOCOL, Peer
 from distributed.comm.mpi_liveness import LocalPeer, hung_up
 from distributed.comm.registry import backends
 from distributed.comm.utils import to_frames
@@ -54,6 +55,10 @@ from distributed.utils_test import (
     inc,
     popen,
 )
+
+
+def parse_peer(hello: dict) -> Peer:
+    return Peer.parse(hello, mpi_startup.library())
 
 
 async def echo(comm):
@@ -209,7 +214,7 @@ def test_local_peer_knows_when_its_process_died():
             "process": f"{socket.gethostname()}/{proc.pid}/x",
             "beacon": int(proc.stdout.readline()),
         }
-        peer = LocalPeer.find(Peer.parse(hello))
+        peer = LocalPeer.find(parse_peer(hello))
         assert not peer.died()
         proc.kill()
         deadline = time.monotonic() + 10
@@ -217,9 +222,9 @@ def test_local_peer_knows_when_its_process_died():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         elsewhere = {**hello, "process": f"elsewhere/{proc.pid}/x"}
-        assert LocalPeer.find(Peer.parse(elsewhere)) is None
+        assert LocalPeer.find(parse_peer(elsewhere)) is None
         # A container on this host: its pids are not ours
-        assert LocalPeer.find(Peer.parse({**hello, "pid_namespace": -1})) is None
+        assert LocalPeer.find(parse_peer({**hello, "pid_namespace": -1})) is None
 
 
 def test_rdma_networks_on_a_fake_sysfs_tree(tmp_path):
@@ -246,7 +251,7 @@ async def test_across_hosts_setting():
     there = {**here, "process": "elsewhere/1/x"}
 
     def tcp_between_hosts(hello):
-        return mpi_policy.tcp_between_hosts(Peer.parse(hello))
+        return mpi_policy.tcp_between_hosts(parse_peer(hello))
 
     assert tcp_between_hosts(there) is not bool(here["rdma"] and there["rdma"])
     assert not tcp_between_hosts(here)  # this host: always MPI
@@ -283,7 +288,7 @@ async def test_a_chunk_size_below_one_byte_fails_the_handshake(size):
 async def test_a_hello_is_parsed_once_and_garbage_refused(change, why):
     await mpi_startup.mpi_ready()
     hello = mpi_handshake.hello()
-    peer = Peer.parse(hello)
+    peer = parse_peer(hello)
     assert (peer.process, peer.library, peer.gpu) == (
         hello["process"],
         hello["library"],
@@ -293,7 +298,7 @@ async def test_a_hello_is_parsed_once_and_garbage_refused(change, why):
     assert peer.job == (hello["world"][0] if hello["world"] else hello["process"])
     assert peer.host == socket.gethostname() and peer.pid == os.getpid()
     with pytest.raises(ValueError, match=why):
-        Peer.parse({**hello, **change})
+        parse_peer({**hello, **change})
 
 
 def test_address_helpers():
