@@ -13,27 +13,28 @@ segmentation fault.  A call that may crash a worker is not made on a guess:
   a client) is a job of its own, whose fabric nobody else shares: unless the
   user chose one (``I_MPI_FABRICS``), it takes ``shm:ofi`` before MPI_Init,
   where a child process showed that ports work with it;
-- a rank of an ``mpiexec`` job keeps the fabric of its job: it has ports
-  where ``I_MPI_FABRICS`` names ``ofi``, or where the job spans hosts, and a
-  child process showed that ports work with that fabric.
+- a rank of an ``mpiexec`` job keeps the fabric of its job: it may have
+  ports where ``I_MPI_FABRICS`` names ``ofi``, or where the job spans hosts,
+  and a child process showed that ports work with that fabric.
 
-The child runs once per host and user for a library and its settings; its
-answer is kept in a file.  A process without ports talks over TCP with the
-processes of other jobs (``mpi_policy.mpi_refusal``) and says why, once.
+Either way, only over an RDMA network: over libfabric's ``tcp`` and ``shm``
+providers Intel MPI moved the frames of two such processes slowly or not at
+all.  The child runs once per host and user for a library and its settings;
+its answer is kept in a file.  A process without ports talks over TCP with
+the processes of other jobs (``mpi_policy.mpi_refusal``), which says why,
+once.  See docs/mpi-design.rst, "Intel MPI".
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
-
-logger = logging.getLogger(__name__)
 
 # Intel MPI's own settings that choose its fabric and the OFI provider
 _FABRIC_SETTINGS = (
@@ -125,7 +126,9 @@ def _probe(fabric: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
     env.update(I_MPI_FABRICS=fabric, I_MPI_DEBUG="1")
     settings = {k: env.get(k) for k in _FABRIC_SETTINGS}
-    key = json.dumps([sys.executable, _library_file(), settings], sort_keys=True)
+    # The host too: $TMPDIR may be shared by hosts that differ
+    host = socket.gethostname()
+    key = json.dumps([host, sys.executable, _library_file(), settings], sort_keys=True)
     path = os.path.join(
         tempfile.gettempdir(),
         f"dask-mpi-ports-{os.getuid()}-{hashlib.sha1(key.encode()).hexdigest()[:16]}",
@@ -151,7 +154,7 @@ def _probe(fabric: str) -> dict:
         answer = {
             "ports": "ports work" in child.stdout,
             "provider": provider and provider.group(1),
-            "why": f"MPI_Open_port ended a process with {_ended(child.returncode)}",
+            "why": _failure(child),
         }
     tmp = f"{path}.{os.getpid()}"
     try:
@@ -163,8 +166,12 @@ def _probe(fabric: str) -> dict:
     return answer
 
 
-def _ended(returncode: int) -> str:
-    return f"signal {-returncode}" if returncode < 0 else f"status {returncode}"
+def _failure(child: subprocess.CompletedProcess) -> str:
+    """What a probe that did not open a port ended with"""
+    if child.returncode < 0:
+        return f"MPI_Open_port ended a process with signal {-child.returncode}"
+    last = child.stdout.strip().splitlines()[-1:] or ["no output"]
+    return f"a process trying MPI_Open_port exited with {child.returncode}: {last[0]}"
 
 
 def _library_file() -> str:
