@@ -59,6 +59,7 @@ PROBE_TIMEOUT = 60
 # cxi...) it may use; a channel that stops delivering is given up on
 _NO_CHANNEL_PROVIDERS = ("tcp", "sockets", "udp", "shm")
 
+_chosen: str | None = None  # the fabric this process chose for its MPI_Init
 _no_ports: str | None = None  # why this process may not open MPI ports
 _network: str | None = None  # the OFI provider of Intel MPI's fabric
 
@@ -67,7 +68,7 @@ def prepare(MPI, launched: bool) -> None:
     """Call before MPI_Init (``launched``: under a process manager): choose
     Intel MPI's fabric where it is this process's alone, and find out whether
     this process may open MPI ports"""
-    global _no_ports, _network
+    global _no_ports, _network, _chosen
     if not MPI.Get_library_version().startswith("Intel(R) MPI"):
         return
     env = os.environ
@@ -94,7 +95,17 @@ def prepare(MPI, launched: bool) -> None:
             "different jobs slowly or not at all"
         )
     elif not launched and fabric is None:
-        env["I_MPI_FABRICS"] = "shm:ofi"
+        # For this process's MPI_Init alone (see initialized): its children
+        # (a job a task starts) choose their own
+        env["I_MPI_FABRICS"] = _chosen = "shm:ofi"
+
+
+def initialized() -> None:
+    """Call once MPI_Init returned: take back the fabric chosen for it"""
+    global _chosen
+    if _chosen is not None and os.environ.get("I_MPI_FABRICS") == _chosen:
+        del os.environ["I_MPI_FABRICS"]
+    _chosen = None
 
 
 def no_ports() -> str | None:

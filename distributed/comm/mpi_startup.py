@@ -133,6 +133,7 @@ def _initialize(launched: bool):
         init_thread = ctypes.CDLL(MPI.__file__).MPI_Init_thread
         failed = init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
         mpi_pmi.initialized()
+        mpi_library.initialized()
         if failed:
             raise RuntimeError("MPI_Init_thread failed")
         _this.session_dirs.update(_open_mpi_session_dirs(MPI) - before)

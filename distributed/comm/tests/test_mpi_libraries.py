@@ -127,3 +127,36 @@ def test_the_probe_says_why_intel_mpi_connects_no_jobs_here():
     mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
     in_a_job = other_jobs(mpiexec, "-n", "2")
     assert "shared-memory fabric alone" in in_a_job, in_a_job
+
+
+# Run by Intel MPI's Python: libfabric's tcp provider taken for an RDMA
+# network, as a process started alone on a host with one would see it
+_ALONE_WITH_PORTS = """
+import os
+from distributed.comm import mpi_library, mpi_startup
+mpi_library._NO_CHANNEL_PROVIDERS = ()
+MPI = mpi_startup.start_mpi().result()
+assert mpi_library.no_ports() is None, mpi_library.no_ports()
+assert "I_MPI_FABRICS" not in os.environ, "the fabric chosen for MPI_Init stayed"
+MPI.Close_port(MPI.Open_port())
+print("ports work over", mpi_library.network())
+"""
+
+
+def test_an_intel_mpi_process_alone_takes_the_ofi_fabric_where_ports_work():
+    """A process started without mpiexec takes I_MPI_FABRICS=shm:ofi for its
+    MPI_Init where a probe found a network that carries channels, opens
+    ports there (on Intel MPI's default fabric, MPI_Open_port crashes), and
+    gives the setting back: its children choose their own"""
+    python, env = environment("Intel MPI")
+    child_env = {**_env(python), **env}
+    child_env.pop("I_MPI_FABRICS", None)
+    proc = subprocess.run(
+        [python, "-c", _ALONE_WITH_PORTS],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ports work over tcp" in proc.stdout, proc.stdout + proc.stderr
