@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import psutil
+import pytest
 
 
 def mpiexec_command(python: str = sys.executable) -> str:
@@ -236,3 +237,14 @@ def library_python(library: str) -> tuple[str | None, str]:
         found = proc.stdout.splitlines()[:1] or proc.stderr.splitlines()[-1:]
         return None, f"{python} has no mpi4py on {library}: {' '.join(found)}"
     return python, ""
+
+
+def library_python_or_skip(library: str) -> str:
+    """The Python of ``library``'s environment (MPICH: this one's); the test
+    skips without one"""
+    if library == "MPICH":
+        return sys.executable
+    python, reason = library_python(library)
+    if python is None:
+        pytest.skip(reason)
+    return python

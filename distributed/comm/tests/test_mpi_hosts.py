@@ -25,7 +25,7 @@ from distributed.comm.tests.mpi_processes import (
     _env,
     known_mpi_crash,
     leaked_hwloc_files,
-    library_python,
+    library_python_or_skip,
     mpiexec,
     mpiexec_command,
     wait_for_file,
@@ -123,24 +123,32 @@ def check_across_hosts(hosts: SimulatedHosts, report: dict, nhosts: int) -> None
         assert worker["moved"] >= SIZE, report
 
 
-def test_dask_cli_under_one_mpiexec_across_hosts(simulated_hosts, tmp_path):
+@pytest.mark.parametrize("library", ["MPICH", "Intel MPI"])
+def test_dask_cli_under_one_mpiexec_across_hosts(simulated_hosts, library, tmp_path):
     """One job over three hosts: the scheduler and a worker on one, a worker
     on each other.  The two workers on other hosts know they are ranks of
-    one job: their channel was made by MPI_Comm_create_group"""
+    one job (Intel MPI's by the job id its Hydra gives every rank): their
+    channel was made by MPI_Comm_create_group (Intel MPI's over its OFI
+    fabric, here libfabric's tcp provider)"""
+    python = library_python_or_skip(library)
+    # Intel MPI's libfabric takes the machine's own eth0 otherwise
+    env = {"FI_TCP_IFACE": "eth0"} if library == "Intel MPI" else {}
     hosts = simulated_hosts(3)
     a, b, c = hosts.names
     path = str(tmp_path / "scheduler.json")
     args = [*hydra(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
     args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "3", *WORKER]
     args += ["--no-nanny", "--scheduler-file", path]
-    with mpiexec(args, prefix=on(hosts, a)) as job:
+    with mpiexec(args, prefix=on(hosts, a, **env), python=python) as job:
         wait_for_file(path, job)
-        report = client(hosts, a, path, 3)
+        report = client(hosts, a, path, 3, python=python)
     check_across_hosts(hosts, report, 3)
-    worlds = {w["world"][0] for w in report["workers"].values()}
-    ranks = sorted(w["world"][1] for w in report["workers"].values())
+    workers = report["workers"].values()
+    assert all(w["library"].startswith(library) for w in workers), report
+    worlds = {w["world"][0] for w in workers}
+    ranks = sorted(w["world"][1] for w in workers)
     assert len(worlds) == 1 and ranks == [1, 2, 3], report
-    for worker in report["workers"].values():
+    for worker in workers:
         assert worker["channels"], report
         assert not any(c["inter"] for c in worker["channels"]), report
 
@@ -617,19 +625,7 @@ def test_what_a_killed_test_process_left_is_swept(simulated_hosts):
 @pytest.fixture
 def openmpi() -> str:
     """The Python of an Open MPI environment; the test skips without one"""
-    python, reason = library_python("Open MPI")
-    if python is None:
-        pytest.skip(reason)
-    return python
-
-
-@pytest.fixture
-def impi() -> str:
-    """The Python of an Intel MPI environment; the test skips without one"""
-    python, reason = library_python("Intel MPI")
-    if python is None:
-        pytest.skip(reason)
-    return python
+    return library_python_or_skip("Open MPI")
 
 
 def prte(hosts: SimulatedHosts, spread: dict[str, int]) -> list[str]:
@@ -661,30 +657,6 @@ def test_open_mpi_job_across_hosts(simulated_hosts, openmpi, tmp_path):
     assert all(w["library"].startswith("Open MPI") for w in workers), report
     assert len({w["world"][0] for w in workers}) == 1, report
     assert sorted(w["world"][1] for w in workers) == [1, 2, 3], report
-    for worker in workers:
-        assert worker["channels"], report
-        assert not any(c["inter"] for c in worker["channels"]), report
-
-
-def test_intel_mpi_job_across_hosts(simulated_hosts, impi, tmp_path):
-    """One Intel MPI job over three hosts, the dask CLI with workers without
-    nannies: its ranks know they are one job on every host (by the job's id
-    that Intel MPI's Hydra gives each rank), and the channels between
-    workers on different hosts were made by MPI_Comm_create_group, over
-    Intel MPI's OFI fabric (libfabric's tcp provider here)"""
-    hosts = simulated_hosts(3)
-    a, b, c = hosts.names
-    path = str(tmp_path / "scheduler.json")
-    args = [*hydra(hosts, {a: 2, b: 1, c: 1}), "-n", "1", *SCHEDULER]
-    args += ["--protocol", "mpi", "--scheduler-file", path, ":", "-n", "3", *WORKER]
-    args += ["--no-nanny", "--scheduler-file", path]
-    with mpiexec(args, prefix=on(hosts, a, FI_TCP_IFACE="eth0"), python=impi) as job:
-        wait_for_file(path, job)
-        report = client(hosts, a, path, 3, python=impi)
-    check_across_hosts(hosts, report, 3)
-    workers = report["workers"].values()
-    assert all(w["library"].startswith("Intel MPI") for w in workers), report
-    assert len({w["world"][0] for w in workers}) == 1, report
     for worker in workers:
         assert worker["channels"], report
         assert not any(c["inter"] for c in worker["channels"]), report

@@ -16,14 +16,17 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("mpi4py")
 
 from distributed.comm import mpi_policy
-from distributed.comm.tests.mpi_processes import OPENMPI_ENV, _env, library_python
+from distributed.comm.tests.mpi_processes import (
+    OPENMPI_ENV,
+    _env,
+    library_python_or_skip,
+)
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -62,11 +65,7 @@ CASES = {
 def environment(library: str) -> tuple[str, dict]:
     """The Python of ``library``'s environment, and the variables it needs;
     the test skips without one"""
-    if library == "MPICH":
-        return sys.executable, {}
-    python, reason = library_python(library)
-    if python is None:
-        pytest.skip(reason)
+    python = library_python_or_skip(library)
     return python, OPENMPI_ENV if library == "Open MPI" else {}
 
 
