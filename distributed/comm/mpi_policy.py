@@ -41,7 +41,7 @@ def mpi_refusal(peer: Peer) -> str | None:
     if open_mpi_apart(peer):
         _warn_open_mpi_apart()
         return "Open MPI cannot connect processes of different jobs"
-    if not same_world(peer) and (mpi_library.no_ports() or not peer.ports):
+    if other_job(peer) and not (mpi_library.no_ports() is None and peer.ports):
         if mpi_library.no_ports():
             _warn_no_ports(mpi_library.no_ports())
         return "MPI cannot open ports at one end"
@@ -60,11 +60,13 @@ def open_mpi_apart(peer: Peer) -> bool:
     """Whether the peer is a process of another Open MPI job, or of none:
     Open MPI cannot connect the two without its ``ompi-server`` (it would
     hang in MPI_Comm_connect rather than fail), so they talk over TCP alone"""
-    return (
-        mpi_startup.library().startswith("Open MPI")
-        and peer.process != mpi_startup.process_id()
-        and not same_world(peer)
-    )
+    return mpi_startup.library().startswith("Open MPI") and other_job(peer)
+
+
+def other_job(peer: Peer) -> bool:
+    """Whether the peer is another process, not a rank of this process's
+    job: the two meet with MPI ports (accept and connect)"""
+    return peer.process != mpi_startup.process_id() and not same_world(peer)
 
 
 def tcp_between_hosts(peer: Peer) -> bool:
