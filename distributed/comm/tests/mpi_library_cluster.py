@@ -9,12 +9,17 @@ Every frame that leaves a worker takes MPI where the library allows it
   processes are not ranks;
 - ``apart``: the scheduler and the workers by two ``mpiexec`` commands;
 - ``dask-mpi``: ``mpiexec -n 3 dask-mpi`` with plain workers;
+- ``dask-mpi-script``: ``mpiexec -n 4`` of a script that calls dask-mpi's
+  ``initialize``, whose rank 1 is the client;
+- ``mpi-and-tcp``: as ``job``, the scheduler listening on ``mpi://`` for the
+  workers and on ``tcp://`` for the client;
 - ``local``: ``LocalCluster(protocol="mpi")``, without ``mpiexec``.
 
-A client in this process computes a graph whose chunks move between the
-workers, then shuts the cluster down.  Each process's output goes to a file
-in DIR; the last line printed is ``REPORT`` and JSON: whether the result was
-right, the bytes of frames that moved over MPI, and every exit code.
+A client in this process (but for ``dask-mpi-script``) computes a graph
+whose chunks move between the workers, then shuts the cluster down.  Each
+process's output goes to a file in DIR; the last line printed is ``REPORT``
+and JSON: whether the result was right, the bytes of frames that moved over
+MPI, and every exit code.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import dask.array as da  # noqa: E402
 import numpy as np  # noqa: E402
 
 from distributed import Client, LocalCluster  # noqa: E402
+from distributed.utils import open_port  # noqa: E402
 from distributed.comm.tests.mpi_processes import (  # noqa: E402
     moved_off_the_socket,
     mpiexec,
@@ -58,8 +64,9 @@ def compute(client) -> tuple[bool, int]:
     return bool(right), sum(client.run(moved_off_the_socket).values())
 
 
-def jobs(way: str, directory: str, scheduler_file: str) -> list[list[str]]:
-    """The mpiexec commands that start the cluster ``way``"""
+def jobs(way: str, scheduler_file: str, ports: tuple[int, int]) -> list[list[str]]:
+    """The mpiexec commands that start the cluster ``way`` (``ports``: of
+    ``mpi-and-tcp``'s scheduler)"""
     scheduler = [*SCHEDULER, "--scheduler-file", scheduler_file]
     worker = [*WORKER, "--scheduler-file", scheduler_file]
     if way == "job":
@@ -72,7 +79,23 @@ def jobs(way: str, directory: str, scheduler_file: str) -> list[list[str]]:
         dask_mpi = ["-m", "dask_mpi.cli", "--protocol", "mpi", "--no-dashboard"]
         dask_mpi += ["--scheduler-file", scheduler_file, "--nthreads", "1"]
         return [["-n", "3", *dask_mpi, "--worker-class", "distributed.Worker"]]
+    if way == "dask-mpi-script":
+        return [["-n", "4", "-m", "distributed.comm.tests.mpi_library_cluster", "rank"]]
+    if way == "mpi-and-tcp":
+        scheduler = [*scheduler, "--protocol", "mpi,tcp", "--port", "%d,%d" % ports]
+        return [["-n", "1", *scheduler, ":", "-n", "2", *worker, "--no-nanny"]]
     raise ValueError(f"no way {way!r}")
+
+
+def rank() -> None:
+    """A rank of ``dask-mpi-script``: dask-mpi's scheduler (rank 0), the
+    client (rank 1, which reports) or a worker"""
+    from dask_mpi import initialize
+
+    initialize(protocol="mpi", nthreads=1, dashboard=False)
+    with Client() as client:
+        right, moved = compute(client)
+    print("RANK REPORT", json.dumps({"right": right, "moved": moved}), flush=True)
 
 
 def main(way: str, directory: str) -> dict:
@@ -83,9 +106,18 @@ def main(way: str, directory: str) -> dict:
             right, moved = compute(client)
         return {"right": right, "moved": moved, "codes": []}
     scheduler_file = os.path.join(directory, "scheduler.json")
+    ports = (open_port(), open_port())
+    if way == "dask-mpi-script":
+        [args] = jobs(way, scheduler_file, ports)
+        log = os.path.join(directory, "job0.log")
+        with open(log, "w") as f, mpiexec(args, stdout=f, stderr=f, text=True) as job:
+            code = job.wait(120)
+        with open(log) as f:
+            report = json.loads(f.read().split("RANK REPORT ", 1)[1].splitlines()[0])
+        return {**report, "codes": [code]}
     with contextlib.ExitStack() as stack:
         started = []
-        for i, args in enumerate(jobs(way, directory, scheduler_file)):
+        for i, args in enumerate(jobs(way, scheduler_file, ports)):
             log = stack.enter_context(open(os.path.join(directory, f"job{i}.log"), "w"))
             started.append(
                 stack.enter_context(mpiexec(args, stdout=log, stderr=log, text=True))
@@ -93,7 +125,12 @@ def main(way: str, directory: str) -> dict:
             if i == 0:
                 wait_for_file(scheduler_file, started[0])
                 time.sleep(0.5)  # the file is written a moment after it exists
-        with Client(scheduler_file=scheduler_file, timeout=60) as client:
+        address = {"scheduler_file": scheduler_file}
+        if way == "mpi-and-tcp":  # the client comes over tcp://
+            with open(scheduler_file) as f:
+                host = json.load(f)["address"].split("//")[1].rsplit(":", 1)[0]
+            address = {"address": f"tcp://{host}:{ports[1]}"}
+        with Client(**address, timeout=60) as client:
             right, moved = compute(client)
             client.shutdown()
         codes = [job.wait(60) for job in started]
@@ -101,5 +138,8 @@ def main(way: str, directory: str) -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "rank":
+        rank()
+        sys.exit()
     report = main(*sys.argv[1:3])
     print("REPORT", json.dumps(report), flush=True)

@@ -41,6 +41,8 @@ CASES = {
         "job-nanny": "MPI",
         "apart": "MPI",
         "dask-mpi": "MPI",
+        "dask-mpi-script": "MPI",
+        "mpi-and-tcp": "MPI",
         "local": "MPI",
     },
     # Its shared-memory fabric for ranks of one job; no RDMA network here for
@@ -50,6 +52,8 @@ CASES = {
         "job-nanny": NO_PORTS,
         "apart": "MPI",  # the two workers are ranks of one job
         "dask-mpi": "MPI",
+        "dask-mpi-script": "MPI",
+        "mpi-and-tcp": "MPI",
         "local": NO_PORTS,
     },
     "Open MPI": {
@@ -57,6 +61,8 @@ CASES = {
         "job-nanny": OPEN_MPI_APART,
         "apart": "MPI",
         "dask-mpi": "MPI",
+        "dask-mpi-script": "MPI",
+        "mpi-and-tcp": "MPI",
         "local": OPEN_MPI_APART,
     },
 }
@@ -72,7 +78,7 @@ def environment(library: str) -> tuple[str, dict]:
 @pytest.mark.parametrize("way", list(CASES["MPICH"]))
 @pytest.mark.parametrize("library", list(CASES))
 def test_library_and_way(library, way, tmp_path):
-    if way == "dask-mpi":
+    if way.startswith("dask-mpi"):
         pytest.importorskip("dask_mpi")
     python, env = environment(library)
     proc = subprocess.run(
