@@ -84,7 +84,7 @@ def prepare(MPI, launched: bool) -> None:
                 "jobs on hosts with an RDMA network)"
             )
             return
-    probe = _probe(fabric or "shm:ofi")
+    probe = _probe(fabric or "shm:ofi", MPI.Get_library_version())
     _network = probe.get("provider")
     if not probe["ports"]:
         _no_ports = f"{probe['why']} (I_MPI_FABRICS={fabric or 'shm:ofi'})"
@@ -130,16 +130,17 @@ def _job_spans_hosts() -> bool:
     return int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
 
 
-def _probe(fabric: str) -> dict:
+def _probe(fabric: str, library: str) -> dict:
     """What a process started without a launcher, on ``fabric``, does here:
     whether it opens an MPI port (``ports``; ``why`` not), and its libfabric
-    provider.  Once per host, user and setting: the answer is kept in a file"""
+    provider.  Once per host, user, MPI ``library`` (its version) and
+    setting: the answer is kept in a file"""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
     env.update(I_MPI_FABRICS=fabric, I_MPI_DEBUG="1")
     settings = {k: env.get(k) for k in _FABRIC_SETTINGS}
     # The host too: $TMPDIR may be shared by hosts that differ
     host = socket.gethostname()
-    key = json.dumps([host, sys.executable, _library_file(), settings], sort_keys=True)
+    key = json.dumps([host, sys.executable, library, settings], sort_keys=True)
     path = os.path.join(
         tempfile.gettempdir(),
         f"dask-mpi-ports-{os.getuid()}-{hashlib.sha1(key.encode()).hexdigest()[:16]}",
@@ -183,13 +184,3 @@ def _failure(child: subprocess.CompletedProcess) -> str:
         return f"MPI_Open_port ended a process with signal {-child.returncode}"
     last = child.stdout.strip().splitlines()[-1:] or ["no output"]
     return f"a process trying MPI_Open_port exited with {child.returncode}: {last[0]}"
-
-
-def _library_file() -> str:
-    """The MPI library that mpi4py loaded: a new one is probed anew"""
-    try:
-        with open("/proc/self/maps") as f:
-            path = next((line.split()[-1] for line in f if "libmpi" in line), "")
-        return f"{path}:{os.stat(path).st_mtime_ns}"
-    except OSError:
-        return ""

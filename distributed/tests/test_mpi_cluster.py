@@ -30,6 +30,7 @@ from distributed.comm.tests.mpi_processes import (
     moved_off_the_socket,
     mpiexec,
     run_mpiexec,
+    scheduler_address,
     wait_for_file,
 )
 
@@ -59,18 +60,6 @@ def assert_moves_data(client) -> None:
     else:
         raise AssertionError("no large frame moved between workers")
     assert sum(transfers(client).values()) > 0, "no data moved between workers"
-
-
-def scheduler_address(scheduler_file: str, job, timeout: float = 60) -> str:
-    """The address in a scheduler file: the file exists a moment before the
-    scheduler has written it (as ``Client(scheduler_file=...)`` knows)"""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return json.loads(wait_for_file(scheduler_file, job))["address"]
-        except json.JSONDecodeError:
-            assert time.monotonic() < deadline, f"{scheduler_file} stays incomplete"
-            time.sleep(0.01)
 
 
 def transfers(client) -> dict[str, int]:

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 
 import dask
 
@@ -40,11 +39,12 @@ import dask.array as da  # noqa: E402
 import numpy as np  # noqa: E402
 
 from distributed import Client, LocalCluster  # noqa: E402
+from distributed.comm import get_address_host  # noqa: E402
 from distributed.utils import open_port  # noqa: E402
 from distributed.comm.tests.mpi_processes import (  # noqa: E402
     moved_off_the_socket,
     mpiexec,
-    wait_for_file,
+    scheduler_address,
 )
 
 SCHEDULER = ["-m", "distributed.cli.dask_scheduler", "--protocol", "mpi", "--port"]
@@ -123,14 +123,10 @@ def main(way: str, directory: str) -> dict:
                 stack.enter_context(mpiexec(args, stdout=log, stderr=log, text=True))
             )
             if i == 0:
-                wait_for_file(scheduler_file, started[0])
-                time.sleep(0.5)  # the file is written a moment after it exists
-        address = {"scheduler_file": scheduler_file}
+                address = scheduler_address(scheduler_file, started[0])
         if way == "mpi-and-tcp":  # the client comes over tcp://
-            with open(scheduler_file) as f:
-                host = json.load(f)["address"].split("//")[1].rsplit(":", 1)[0]
-            address = {"address": f"tcp://{host}:{ports[1]}"}
-        with Client(**address, timeout=60) as client:
+            address = f"tcp://{get_address_host(address)}:{ports[1]}"
+        with Client(address, timeout=60) as client:
             right, moved = compute(client)
             client.shutdown()
         codes = [job.wait(60) for job in started]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import json
 import os
 import re
 import shutil
@@ -168,6 +169,18 @@ def channels_to_others() -> int:
     from distributed.comm.mpi_channel import channels
 
     return len(channels.to_others())
+
+
+def scheduler_address(scheduler_file: str, job, timeout: float = 60) -> str:
+    """The address in a scheduler file: the file exists a moment before the
+    scheduler has written it (as ``Client(scheduler_file=...)`` knows)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(wait_for_file(scheduler_file, job))["address"]
+        except json.JSONDecodeError:
+            assert time.monotonic() < deadline, f"{scheduler_file} stays incomplete"
+            time.sleep(0.01)
 
 
 def known_mpi_crash(output: str) -> str | None:
